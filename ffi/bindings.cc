@@ -1,0 +1,37 @@
+// Python binding: hands the FFI handlers to jax.ffi.register_ffi_target as capsules.
+#include <nanobind/nanobind.h>
+
+#include "store_ffi.h"
+#include "store_handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler has type XLA_FFI_Error*(XLA_FFI_CallFrame*)");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.attr("STORE_TARGET") = nvfp4::kStoreTarget;
+  m.def("registrations", []() {
+    nb::dict platforms;
+    platforms["cpu"] = EncapsulateFfiHandler(NvFp4StoreCpu);
+#if defined(JAX_NVFP4_WITH_CUDA)
+    platforms["CUDA"] = EncapsulateFfiHandler(NvFp4StoreCuda);
+#endif
+    return platforms;
+  }, "Store handlers by XLA platform name, as capsules for jax.ffi.register_ffi_target.");
+  m.def("built_with_cuda", []() {
+#if defined(JAX_NVFP4_WITH_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build contains the CUDA kernel.");
+}

@@ -1,0 +1,285 @@
+// NVFP4 numerics and page layout shared by the CPU and CUDA store kernels.
+//
+// Everything here follows ../shared/NVFP4_SPEC.md (cited as "spec §N"). The functions are
+// inline and usable from host and device code so that both kernels compute the same bytes.
+// Every float operation whose rounding matters goes through mul_rn/add_rn/div_rn: on the
+// device these are the correctly rounded intrinsics (never contracted into an FMA); on the
+// host the library is compiled with -ffp-contract=off, so plain operators are exact IEEE
+// float32 operations.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define NVFP4_HD __host__ __device__ __forceinline__
+#else
+#define NVFP4_HD inline
+#endif
+
+namespace nvfp4 {
+
+// Elements per FP8 block scale (spec §1).
+constexpr int kBlockElems = 16;
+// Packed bytes of one 16-element block: two e2m1 codes per byte (spec §2 step 6).
+constexpr int kBlockBytes = kBlockElems / 2;
+// Largest finite e4m3fn magnitude; the block scale saturates here (spec §2 step 3).
+constexpr float kE4M3Max = 448.0f;
+// The byte stored for a NaN block scale: positive e4m3fn NaN.
+constexpr uint8_t kE4M3NaN = 0x7F;
+
+enum class Layout : int32_t { kHND = 0, kNHD = 1 };
+enum class ScaleSearch : int32_t { kDefault = 0, k4Over6 = 1 };
+
+// ---------------------------------------------------------------------------------------
+// Correctly rounded float32 operations, never fused.
+NVFP4_HD float mul_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+NVFP4_HD float add_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+NVFP4_HD float sub_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+NVFP4_HD float div_rn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+NVFP4_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  return u;
+#endif
+}
+NVFP4_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+#endif
+}
+NVFP4_HD bool is_nan(float x) { return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+NVFP4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); }
+
+// Widening of the 16-bit inputs: exact.
+NVFP4_HD float bf16_bits_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+NVFP4_HD float f16_bits_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (exp == 0x1Fu) return bits_float(sign | 0x7F800000u | (man << 13));  // Inf / NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+  // Zero or subnormal: man * 2^-24, exact in float32.
+  const float mag = mul_rn(float(man), 5.9604644775390625e-08f);
+  return bits_float(sign | float_bits(mag));
+}
+
+// ---------------------------------------------------------------------------------------
+// E2M1 (spec §1, §2 step 5).
+NVFP4_HD float e2m1_magnitude(uint8_t code) {
+  switch (code & 7u) {
+    case 0: return 0.0f;
+    case 1: return 0.5f;
+    case 2: return 1.0f;
+    case 3: return 1.5f;
+    case 4: return 2.0f;
+    case 5: return 3.0f;
+    case 6: return 4.0f;
+    default: return 6.0f;
+  }
+}
+
+// Magnitude code of |y| by the comparison ladder of spec §2 step 5: ties to even,
+// saturation to 6, and NaN (every comparison false) to 6.
+NVFP4_HD uint8_t e2m1_magnitude_code(float a) {
+  if (a <= 0.25f) return 0;
+  if (a < 0.75f) return 1;
+  if (a <= 1.25f) return 2;
+  if (a < 1.75f) return 3;
+  if (a <= 2.5f) return 4;
+  if (a < 3.5f) return 5;
+  if (a <= 5.0f) return 6;
+  return 7;
+}
+
+// Code of one element: magnitude of x * out_scale, sign bit of x. out_scale is never negative
+// (spec §2 step 4 divides two factors of the same sign), so this is the sign of y wherever y
+// is a number; for a NaN y it makes the sign deterministic (the sign of a NaN product is not
+// portable between x86, CUDA and XLA).
+NVFP4_HD uint8_t e2m1_code(float x, float out_scale) {
+  const uint8_t sign = (float_bits(x) >> 31) ? 8u : 0u;
+  return sign | e2m1_magnitude_code(abs_f(mul_rn(x, out_scale)));
+}
+
+// ---------------------------------------------------------------------------------------
+// E4M3 ("e4m3fn": bias 7, no infinities, 0x7F/0xFF NaN) (spec §2 step 3).
+
+// Round to nearest even, saturate finite values and infinities to +-448, NaN -> 0x7F.
+NVFP4_HD uint8_t e4m3_encode(float x) {
+  if (is_nan(x)) return kE4M3NaN;
+  const uint32_t bits = float_bits(x);
+  const uint8_t sign = uint8_t((bits >> 31) << 7);
+  const float a = abs_f(x);
+  if (a >= kE4M3Max) return sign | 0x7E;
+  if (a < 0.015625f) {
+    // Below the smallest normal 2^-6: multiples of the subnormal step 2^-9. a * 512 is exact;
+    // round half to even by hand (q <= 8, and q == 8 is the smallest normal's code).
+    const float s = mul_rn(a, 512.0f);
+    uint32_t q = uint32_t(s);
+    const float frac = sub_rn(s, float(q));
+    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) ++q;
+    return sign | uint8_t(q);
+  }
+  // Normal: keep 3 of the 23 mantissa bits, ties to even.
+  int32_t exponent = int32_t((bits >> 23) & 0xFFu) - 127;  // -6 .. 8
+  uint32_t mantissa = bits & 0x7FFFFFu;
+  uint32_t kept = mantissa >> 20;
+  const uint32_t rest = mantissa & 0xFFFFFu;
+  if (rest > 0x80000u || (rest == 0x80000u && (kept & 1u))) ++kept;
+  if (kept == 8u) {
+    kept = 0;
+    ++exponent;
+  }
+  const uint32_t code = (uint32_t(exponent + 7) << 3) | kept;
+  return sign | uint8_t(code > 0x7Eu ? 0x7Eu : code);
+}
+
+NVFP4_HD float e4m3_decode(uint8_t byte) {
+  const uint32_t sign = uint32_t(byte & 0x80u) << 24;
+  const uint32_t exp = (byte >> 3) & 0xFu;
+  const uint32_t man = byte & 7u;
+  if (exp == 0xFu && man == 7u) return bits_float(sign | 0x7FC00000u);
+  if (exp == 0) return bits_float(sign | float_bits(mul_rn(float(man), 0.001953125f)));  // 2^-9
+  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// ---------------------------------------------------------------------------------------
+// One 16-element block (spec §2, §3).
+
+// 1/6 and 1/4 rounded to float32 (spec §2 step 2, §3).
+constexpr float kRecip6 = 1.0f / 6.0f;
+constexpr float kRecip4 = 0.25f;
+
+// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1).
+NVFP4_HD float block_amax(const float* x) {
+  float m = abs_f(x[0]);
+  for (int i = 1; i < kBlockElems; ++i) {
+    const float a = abs_f(x[i]);
+    if (is_nan(m) || a > m) m = a;
+  }
+  return m;
+}
+
+struct BlockScale {
+  uint8_t byte;     // stored e4m3 byte
+  float out_scale;  // multiplier applied to each element before e2m1 rounding
+};
+
+// Spec §2 steps 2-4 for one candidate denominator (given as its float32 reciprocal).
+NVFP4_HD BlockScale block_scale(float amax, float g, float recip_denominator) {
+  const float sf = mul_rn(g, mul_rn(amax, recip_denominator));
+  const uint8_t byte = e4m3_encode(sf);
+  const float sfq = e4m3_decode(byte);
+  const float out_scale = sfq != 0.0f ? div_rn(1.0f, mul_rn(sfq, div_rn(1.0f, g))) : 0.0f;
+  return {byte, out_scale};
+}
+
+// Reconstruction error of spec §3, pairwise in element order, every operation rounded alone.
+NVFP4_HD float block_error(const float* x, float out_scale) {
+  float err = 0.0f;
+  if (out_scale == 0.0f) {
+    for (int j = 0; j < kBlockElems; j += 2)
+      err = add_rn(err, add_rn(mul_rn(x[j], x[j]), mul_rn(x[j + 1], x[j + 1])));
+    return err;
+  }
+  const float deq = div_rn(1.0f, out_scale);
+  float d[kBlockElems];
+  for (int i = 0; i < kBlockElems; ++i) {
+    const uint8_t code = e2m1_code(x[i], out_scale);
+    const float q = (code & 8u) ? -e2m1_magnitude(code) : e2m1_magnitude(code);
+    d[i] = sub_rn(mul_rn(q, deq), x[i]);
+  }
+  for (int j = 0; j < kBlockElems; j += 2)
+    err = add_rn(err, add_rn(mul_rn(d[j], d[j]), mul_rn(d[j + 1], d[j + 1])));
+  return err;
+}
+
+// Quantises x[0..15] with the global store factor g = 1/k_scale: writes 8 packed bytes
+// (element 2k in the low nibble of byte k) and returns the e4m3 scale byte.
+NVFP4_HD uint8_t quantize_block(const float* x, float g, ScaleSearch search, uint8_t* packed) {
+  const float amax = block_amax(x);
+  BlockScale chosen = block_scale(amax, g, kRecip6);
+  if (search == ScaleSearch::k4Over6) {
+    const BlockScale four = block_scale(amax, g, kRecip4);
+    if (block_error(x, four.out_scale) < block_error(x, chosen.out_scale)) chosen = four;
+  }
+  for (int k = 0; k < kBlockBytes; ++k) {
+    const uint8_t lo = e2m1_code(x[2 * k], chosen.out_scale);
+    const uint8_t hi = e2m1_code(x[2 * k + 1], chosen.out_scale);
+    packed[k] = uint8_t(lo | (hi << 4));
+  }
+  return chosen.byte;
+}
+
+// ---------------------------------------------------------------------------------------
+// Page layout (spec §4). One page side (K or V of one block) is
+// [data: num_kv_heads*block_size*head_size/2 | scales: num_kv_heads*block_size*head_size/16].
+struct PageGeometry {
+  int64_t num_kv_heads;
+  int64_t block_size;
+  int64_t head_size;
+  Layout layout;
+  bool v_scale_swizzle;
+
+  NVFP4_HD int64_t data_bytes_per_head_token() const { return head_size / 2; }
+  NVFP4_HD int64_t scales_per_head_token() const { return head_size / kBlockElems; }
+  NVFP4_HD int64_t side_data_bytes() const {
+    return num_kv_heads * block_size * data_bytes_per_head_token();
+  }
+  NVFP4_HD int64_t side_bytes() const {
+    return num_kv_heads * block_size * (data_bytes_per_head_token() + scales_per_head_token());
+  }
+  // Row of (head, row-in-page) in a [heads, block_size] (HND) or [block_size, heads] (NHD) plane.
+  NVFP4_HD int64_t plane_row(int64_t head, int64_t row) const {
+    return layout == Layout::kHND ? head * block_size + row : row * num_kv_heads + head;
+  }
+  // Byte offset, within the side, of the packed data of (head, token row).
+  NVFP4_HD int64_t data_offset(int64_t head, int64_t row) const {
+    return plane_row(head, row) * data_bytes_per_head_token();
+  }
+  // Byte offset, within the side, of scale s of (head, token row). V scales may be swizzled.
+  NVFP4_HD int64_t scale_offset(bool is_value, int64_t head, int64_t row, int64_t s) const {
+    const int64_t num_scales = scales_per_head_token();
+    int64_t row_in_plane = row, col = s;
+    if (is_value && v_scale_swizzle) {
+      const int64_t group = num_scales / 4;
+      row_in_plane = (row / 4) * 4 + s / group;
+      col = (s % group) * 4 + row % 4;
+    }
+    return side_data_bytes() + plane_row(head, row_in_plane) * num_scales + col;
+  }
+};
+
+}  // namespace nvfp4

@@ -1,0 +1,55 @@
+// CPU XLA FFI handler of the store (spec §5). Serial: the CPU backend exists so that every
+// machine can run and test the exact arithmetic, not for speed.
+#include <cstring>
+
+#include "store_ffi.h"
+#include "store_handlers.h"
+
+namespace nvfp4 {
+namespace {
+
+void StoreAll(const StoreProblem& p) {
+  const int64_t num_heads = p.page.num_kv_heads;
+  const int64_t blocks_per_head = p.page.head_size / kBlockElems;
+  for (int64_t layer = 0; layer < p.num_layers; ++layer) {
+    for (int side = 0; side < 2; ++side) {
+      const float g = p.store_factor(layer, side);
+      const uint16_t* src = static_cast<const uint16_t*>(side == 0 ? p.key : p.value);
+      for (int64_t token = 0; token < p.num_tokens; ++token) {
+        const int64_t slot = p.valid_slot(layer, token);
+        if (slot < 0) continue;
+        for (int64_t head = 0; head < num_heads; ++head) {
+          for (int64_t b = 0; b < blocks_per_head; ++b) {
+            const uint16_t* in = src + p.input_offset(layer, token, head, b);
+            float x[kBlockElems];
+            for (int i = 0; i < kBlockElems; ++i) x[i] = widen(in[i], p.is_f16);
+            const BlockPlacement at = place_block(p, layer, slot, side, head, b);
+            p.kv_cache[at.scale] =
+                quantize_block(x, g, p.scale_search, p.kv_cache + at.data);
+          }
+        }
+      }
+    }
+  }
+}
+
+ffi::Error StoreCpu(ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::Buffer<ffi::U8> kv_cache,
+                    ffi::AnyBuffer slot_mapping, ffi::Buffer<ffi::F32> k_scale,
+                    ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::U8>> kv_cache_out,
+                    int32_t layout, int32_t scale_search, bool v_scale_swizzle) {
+  StoreProblem p;
+  ffi::Error error = MakeStoreProblem(key, value, kv_cache, slot_mapping, k_scale, v_scale,
+                                      kv_cache_out, layout, scale_search, v_scale_swizzle, &p);
+  if (error.failure()) return error;
+  // XLA aliases the result to kv_cache; should it ever hand over two buffers, start from a copy.
+  if (kv_cache.untyped_data() != kv_cache_out->untyped_data())
+    std::memcpy(kv_cache_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes());
+  StoreAll(p);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NvFp4StoreCpu, nvfp4::StoreCpu,
+                              nvfp4::BindStore(xla::ffi::Ffi::Bind()));

@@ -1,0 +1,75 @@
+// The store of spec §5 for one 16-element block, shared by the CPU and CUDA kernels.
+//
+// A call may carry a leading layer axis (vmap over stacked per-layer caches): key/value
+// [num_layers, num_tokens, num_kv_heads, head_size], kv_cache [num_layers, num_blocks, 2, ...],
+// slot_mapping and the global scales either shared by all layers or one per layer.
+#pragma once
+
+#include "nvfp4_numerics.h"
+
+namespace nvfp4 {
+
+struct StoreProblem {
+  const void* key;           // bf16 or fp16 bits, [num_layers, num_tokens, num_kv_heads, head_size]
+  const void* value;
+  const void* slot_mapping;  // int32 or int64, [num_tokens] or [num_layers, num_tokens]
+  const float* k_scale;      // dequantisation multipliers, 1 or num_layers of them
+  const float* v_scale;
+  uint8_t* kv_cache;         // [num_layers, num_blocks, 2, page side bytes]
+  bool is_f16;
+  bool slots_int64;
+  int64_t num_layers;
+  int64_t num_tokens;
+  int64_t num_blocks;
+  int64_t slots_layer_stride;   // 0 when all layers share slot_mapping, else num_tokens
+  int64_t scales_layer_stride;  // 0 when all layers share the scales, else 1
+  PageGeometry page;
+  ScaleSearch scale_search;
+
+  NVFP4_HD int64_t layer_cache_bytes() const { return num_blocks * 2 * page.side_bytes(); }
+  NVFP4_HD int64_t head_elems() const { return page.head_size; }
+  NVFP4_HD int64_t token_elems() const { return page.num_kv_heads * page.head_size; }
+
+  // Slot of a token, or -1 when nothing may be written for it: negative slots are padding and
+  // slots past the cache are skipped (spec §5).
+  NVFP4_HD int64_t valid_slot(int64_t layer, int64_t token) const {
+    const int64_t i = layer * slots_layer_stride + token;
+    const int64_t slot = slots_int64 ? static_cast<const int64_t*>(slot_mapping)[i]
+                                     : int64_t(static_cast<const int32_t*>(slot_mapping)[i]);
+    return (slot < 0 || slot >= num_blocks * page.block_size) ? -1 : slot;
+  }
+
+  // g = 1/scale, a correctly rounded float32 division (spec §2).
+  NVFP4_HD float store_factor(int64_t layer, int side) const {
+    const float* scale = side == 0 ? k_scale : v_scale;
+    return div_rn(1.0f, scale[layer * scales_layer_stride]);
+  }
+
+  // First input element of block b of (layer, token, head) of side 0 (K) or 1 (V).
+  NVFP4_HD int64_t input_offset(int64_t layer, int64_t token, int64_t head, int64_t b) const {
+    return ((layer * num_tokens + token) * page.num_kv_heads + head) * page.head_size +
+           b * kBlockElems;
+  }
+};
+
+// Where block b of (head, slot) of one side goes, as byte offsets into the whole cache.
+struct BlockPlacement {
+  int64_t data;
+  int64_t scale;
+};
+
+NVFP4_HD BlockPlacement place_block(const StoreProblem& p, int64_t layer, int64_t slot, int side,
+                                    int64_t head, int64_t b) {
+  const int64_t block = slot / p.page.block_size;
+  const int64_t row = slot % p.page.block_size;
+  const int64_t side_base =
+      layer * p.layer_cache_bytes() + (block * 2 + side) * p.page.side_bytes();
+  return {side_base + p.page.data_offset(head, row) + b * kBlockBytes,
+          side_base + p.page.scale_offset(side == 1, head, row, b)};
+}
+
+NVFP4_HD float widen(const uint16_t bits, bool is_f16) {
+  return is_f16 ? f16_bits_to_float(bits) : bf16_bits_to_float(bits);
+}
+
+}  // namespace nvfp4

@@ -1,0 +1,23 @@
+"""jax_nvfp4: an NVFP4 paged KV cache for JAX.
+
+Keys and values are stored as FP4 (E2M1) codes with an FP8 (E4M3) scale per 16 values and a
+float32 global scale: 72 bytes per head and token at head_size 128, against 256 in bfloat16.
+The store is an XLA FFI kernel (CPU and CUDA) updating the cache in place.
+"""
+
+from .api import allocate_kv_cache, dequantize, reshape_and_cache, slot_mapping_problems
+from .layout import LAYOUTS, SCALE_SEARCHES, head_bytes, kv_cache_shape
+from . import reference
+
+__all__ = [
+    "LAYOUTS",
+    "SCALE_SEARCHES",
+    "allocate_kv_cache",
+    "dequantize",
+    "head_bytes",
+    "kv_cache_shape",
+    "reference",
+    "reshape_and_cache",
+    "slot_mapping_problems",
+]
+__version__ = "0.1.0"

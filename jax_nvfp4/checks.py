@@ -1,0 +1,98 @@
+"""Trace-time validation of the store's arguments (spec §5): one function, used by the
+primitive's abstract evaluation and by the jnp reference, so both refuse the same calls with
+the same messages, each naming the argument and what was expected."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import layout as _layout
+
+
+
+def _dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+_FLOAT_INPUTS = ("bfloat16", "float16")
+_SLOT_DTYPES = ("int32", "int64")
+
+
+def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layout,
+                     scale_search, v_scale_swizzle, num_layers: int | None = None):
+    """Validates shapes and dtypes (anything with ``.shape`` and ``.dtype``).
+
+    With ``num_layers`` set, every per-layer operand may carry that leading axis (the batched
+    form the vmap rule binds); otherwise key/value are ``[num_tokens, num_kv_heads, head_size]``
+    and kv_cache is one layer's cache.
+
+    Returns the cache's ``CacheGeometry``. Raises ``TypeError`` for a wrong dtype and
+    ``ValueError`` for a wrong shape or option.
+    """
+    _layout.check_layout(layout)
+    _layout.check_scale_search(scale_search)
+    if not isinstance(v_scale_swizzle, (bool, np.bool_)):
+        raise TypeError(f"v_scale_swizzle must be a bool, got {v_scale_swizzle!r}")
+    lead = 0 if num_layers is None else 1
+
+    for name, x in (("key", key), ("value", value)):
+        if _dtype_name(x.dtype) not in _FLOAT_INPUTS:
+            raise TypeError(f"{name} must be bfloat16 or float16, got {_dtype_name(x.dtype)}")
+        if len(x.shape) != 3 + lead:
+            raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_size], "
+                             f"got shape {tuple(x.shape)}")
+    if key.dtype != value.dtype:
+        raise TypeError(f"value must have key's dtype {_dtype_name(key.dtype)}, "
+                        f"got {_dtype_name(value.dtype)}")
+    if tuple(key.shape) != tuple(value.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    num_tokens, num_kv_heads, head_size = key.shape[lead:]
+    _layout.check_head_size(head_size, v_scale_swizzle, argument="key head_size")
+
+    if _dtype_name(kv_cache.dtype) != "uint8":
+        raise TypeError(f"kv_cache must be uint8 (see kv_cache_shape), got {_dtype_name(kv_cache.dtype)}")
+    cache_shape = tuple(kv_cache.shape)
+    if len(cache_shape) != 5 + lead:
+        raise ValueError(f"kv_cache must have rank 5, {_layout.kv_cache_shape.__name__}(...) for "
+                         f"layout {layout!r}, got shape {cache_shape}")
+    if lead and cache_shape[0] != num_layers:
+        raise ValueError(f"kv_cache leading (layer) axis {cache_shape[0]} != {num_layers}")
+    geometry = _layout.CacheGeometry.from_shape(cache_shape[lead:], layout)
+    expected = _layout.kv_cache_shape(geometry.num_blocks, geometry.block_size, num_kv_heads,
+                                      head_size, layout)
+    if cache_shape[lead:] != expected:
+        raise ValueError(
+            f"kv_cache shape {cache_shape[lead:]} does not match key (num_kv_heads={num_kv_heads}, "
+            f"head_size={head_size}): expected {expected} for layout {layout!r}")
+
+    if _dtype_name(slot_mapping.dtype) not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping must be int32 or int64, got {_dtype_name(slot_mapping.dtype)}")
+    slot_shape = tuple(slot_mapping.shape)
+    if slot_shape not in ((num_tokens,),) + (((num_layers, num_tokens),) if lead else ()):
+        raise ValueError(f"slot_mapping must have shape [num_tokens] = ({num_tokens},), "
+                         f"got {slot_shape}")
+
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if _dtype_name(s.dtype) != "float32":
+            raise TypeError(f"{name} must be float32, got {_dtype_name(s.dtype)}")
+        allowed = ((), (1,)) + (((num_layers,),) if lead else ())
+        if tuple(s.shape) not in allowed:
+            raise ValueError(f"{name} must be a float32 scalar of shape () or (1,), "
+                             f"got shape {tuple(s.shape)}")
+    return geometry
+
+
+def check_kv_cache(kv_cache, layout, v_scale_swizzle, argument="kv_cache"):
+    """Validates a cache on its own (for readers); returns its ``CacheGeometry``."""
+    _layout.check_layout(layout)
+    if _dtype_name(kv_cache.dtype) != "uint8":
+        raise TypeError(f"{argument} must be uint8, got {_dtype_name(kv_cache.dtype)}")
+    geometry = _layout.CacheGeometry.from_shape(kv_cache.shape, layout, argument)
+    _layout.check_head_size(geometry.head_size, v_scale_swizzle, argument=f"{argument} head_size")
+    return geometry
+
+
+def check_scale(s, argument):
+    if _dtype_name(s.dtype) != "float32" or tuple(s.shape) not in ((), (1,)):
+        raise TypeError(f"{argument} must be a float32 scalar of shape () or (1,), "
+                        f"got {_dtype_name(s.dtype)}{list(s.shape)}")

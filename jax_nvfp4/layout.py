@@ -1,0 +1,176 @@
+"""Geometry of the NVFP4 paged KV cache (spec §1 and §4): the one place it is computed in Python.
+
+A cache is one ``uint8`` array per attention layer:
+
+* ``"HND"``: ``[num_blocks, 2, num_kv_heads, block_size, F]`` (what trtllm-gen reads)
+* ``"NHD"``: ``[num_blocks, 2, block_size, num_kv_heads, F]``
+
+with ``F = head_size // 2 + head_size // 16`` bytes per (head, token). Axis 1 is K (0) or V (1).
+The ``num_kv_heads * block_size * F`` bytes of one (block, side) are a data region followed by a
+scale region; the trailing axes only size the page, they do not index it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+#: Elements that share one FP8 (E4M3) block scale.
+BLOCK_ELEMS = 16
+#: Packed FP4 codes per byte.
+CODES_PER_BYTE = 2
+#: Largest finite E4M3 magnitude.
+E4M3_MAX = 448.0
+#: The page layouts (spec §4).
+LAYOUTS = ("HND", "NHD")
+#: Block-scale choices (spec §2 and §3).
+SCALE_SEARCHES = ("default", "4over6")
+#: Magnitudes of the eight E2M1 codes (bit 3 is the sign).
+E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+
+
+def check_layout(layout, argument: str = "layout") -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"{argument} must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def check_scale_search(scale_search, argument: str = "scale_search") -> str:
+    if scale_search not in SCALE_SEARCHES:
+        raise ValueError(f"{argument} must be one of {SCALE_SEARCHES}, got {scale_search!r}")
+    return scale_search
+
+
+def head_bytes(head_size: int) -> int:
+    """Bytes one (head, token) takes in one side of a page: packed codes plus scales."""
+    return head_size // CODES_PER_BYTE + head_size // BLOCK_ELEMS
+
+
+def check_head_size(head_size: int, v_scale_swizzle: bool, argument: str = "head_size") -> None:
+    if head_size <= 0 or head_size % BLOCK_ELEMS:
+        raise ValueError(f"{argument} must be a positive multiple of {BLOCK_ELEMS}, got {head_size}")
+    if v_scale_swizzle and head_size % (4 * BLOCK_ELEMS):
+        raise ValueError(
+            f"{argument}={head_size}: swizzled V scales are a bijection only when head_size is a "
+            f"multiple of 64 (spec §4); use v_scale_swizzle=False for this head size")
+
+
+def check_block_size(block_size: int, argument: str = "block_size") -> None:
+    if block_size <= 0 or block_size % 4:
+        raise ValueError(f"{argument} must be a positive multiple of 4, got {block_size}")
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                   layout: str = "HND") -> tuple[int, int, int, int, int]:
+    """Shape of one layer's NVFP4 paged cache (``uint8``).
+
+    Args:
+      num_blocks: pages in the cache.
+      block_size: tokens per page, a multiple of 4.
+      num_kv_heads: key/value heads.
+      head_size: elements per head vector, a multiple of 16.
+      layout: ``"HND"`` (default) or ``"NHD"``.
+
+    Returns:
+      ``(num_blocks, 2, num_kv_heads, block_size, F)`` for HND,
+      ``(num_blocks, 2, block_size, num_kv_heads, F)`` for NHD, with
+      ``F = head_size // 2 + head_size // 16``.
+    """
+    check_layout(layout)
+    check_block_size(block_size)
+    check_head_size(head_size, v_scale_swizzle=False)
+    if num_blocks < 0 or num_kv_heads <= 0:
+        raise ValueError(f"num_blocks must be >= 0 and num_kv_heads > 0, got {num_blocks}, {num_kv_heads}")
+    f = head_bytes(head_size)
+    if layout == "HND":
+        return (num_blocks, 2, num_kv_heads, block_size, f)
+    return (num_blocks, 2, block_size, num_kv_heads, f)
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """What a cache's shape and layout say: derived once, used by every reader and writer."""
+
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    layout: str
+
+    @classmethod
+    def from_shape(cls, shape, layout: str, argument: str = "kv_cache") -> "CacheGeometry":
+        """Reads a per-layer cache shape (its last five axes); errors name ``argument``."""
+        check_layout(layout)
+        shape = tuple(shape)
+        if len(shape) != 5:
+            raise ValueError(
+                f"{argument} must have rank 5 ([num_blocks, 2, ...] per layer), got shape {shape}")
+        if shape[1] != 2:
+            raise ValueError(f"{argument} axis 1 must be 2 (K and V), got shape {shape}")
+        if layout == "HND":
+            num_blocks, _, num_kv_heads, block_size, f = shape
+        else:
+            num_blocks, _, block_size, num_kv_heads, f = shape
+        # F = 9 * head_size / 16.
+        if f % 9:
+            raise ValueError(f"{argument} trailing axis {f} is not head_size/2 + head_size/16 for "
+                             f"any head_size (shape {shape})")
+        check_block_size(block_size, argument=f"{argument} block_size")
+        return cls(num_blocks, block_size, num_kv_heads, f // 9 * BLOCK_ELEMS, layout)
+
+    @property
+    def scales_per_head(self) -> int:
+        return self.head_size // BLOCK_ELEMS
+
+    @property
+    def head_data_bytes(self) -> int:
+        return self.head_size // CODES_PER_BYTE
+
+    @property
+    def side_data_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * self.head_data_bytes
+
+    @property
+    def side_bytes(self) -> int:
+        return self.num_kv_heads * self.block_size * head_bytes(self.head_size)
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def shape(self) -> tuple[int, ...]:
+        return kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size,
+                              self.layout)
+
+    def plane_rows(self) -> np.ndarray:
+        """``[num_kv_heads, block_size]``: row of (head, token row) in a head/token plane."""
+        h = np.arange(self.num_kv_heads)[:, None]
+        t = np.arange(self.block_size)[None, :]
+        if self.layout == "HND":
+            return h * self.block_size + t
+        return t * self.num_kv_heads + h
+
+    def data_offsets(self) -> np.ndarray:
+        """``[num_kv_heads, block_size, head_size/2]``: byte of each packed pair within a side."""
+        rows = self.plane_rows()[:, :, None]
+        return rows * self.head_data_bytes + np.arange(self.head_data_bytes)
+
+    def scale_offsets(self, is_value: bool, v_scale_swizzle: bool) -> np.ndarray:
+        """``[num_kv_heads, block_size, head_size/16]``: byte of each block scale within a side."""
+        s_count = self.scales_per_head
+        t = np.arange(self.block_size)[:, None]
+        s = np.arange(s_count)[None, :]
+        if is_value and v_scale_swizzle:
+            group = s_count // 4
+            row = (t // 4) * 4 + s // group
+            col = (s % group) * 4 + t % 4
+        else:
+            row = np.broadcast_to(t, (self.block_size, s_count))
+            col = np.broadcast_to(s, (self.block_size, s_count))
+        h = np.arange(self.num_kv_heads)[:, None, None]
+        if self.layout == "HND":
+            plane = h * self.block_size + row[None]
+        else:
+            plane = row[None] * self.num_kv_heads + h
+        return self.side_data_bytes + plane * s_count + col[None]

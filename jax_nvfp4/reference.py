@@ -1,0 +1,191 @@
+"""Pure-jnp reference of the store and its reader: the authority for the kernels' bytes.
+
+Run it on the CPU to get the bytes the kernels must produce (spec §3a: on a GPU, XLA may keep
+excess precision in places this code cannot see). Every float32 operation whose rounding the
+spec fixes is kept apart from its neighbours (``_rounded``) because XLA contracts ``a*b + c``
+into a fused multiply-add; E4M3 bytes are decoded through a table rather than a float8 round
+trip that XLA may delete.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import checks
+from . import layout as _layout
+
+_BLOCK = _layout.BLOCK_ELEMS
+_RECIP6 = np.float32(1.0) / np.float32(6.0)
+_RECIP4 = np.float32(0.25)
+
+
+def _e4m3_table() -> np.ndarray:
+    import ml_dtypes  # shipped with jax
+
+    return np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+
+
+#: float32 value of each E4M3 byte (0x7F and 0xFF are NaN).
+E4M3_VALUES = _e4m3_table()
+
+
+def _rounded(x):
+    """x, computed on its own: XLA cannot contract it into the consumer's add.
+
+    A select on a runtime comparison sits between the product and its use; neither
+    ``lax.optimization_barrier`` nor a bitcast round trip stops the contraction on XLA:CPU.
+    """
+    return jnp.where(x != x, jnp.float32(jnp.nan), x)
+
+
+def e4m3_encode(x):
+    """float32 -> E4M3 byte: round to nearest even, saturate to +-448, NaN -> 0x7F."""
+    clipped = jnp.clip(x, -_layout.E4M3_MAX, _layout.E4M3_MAX)
+    byte = jax.lax.bitcast_convert_type(clipped.astype(jnp.float8_e4m3fn), jnp.uint8)
+    return jnp.where(jnp.isnan(x), jnp.uint8(0x7F), byte)
+
+
+def e4m3_decode(byte):
+    return jnp.take(jnp.asarray(E4M3_VALUES), byte.astype(jnp.int32))
+
+
+def e2m1_codes(x, out_scale):
+    """Spec §2 step 5: magnitude of x*out_scale by the comparison ladder, sign bit of x."""
+    a = jnp.abs(x * out_scale)
+    mag = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
+           + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
+    mag = jnp.where(jnp.isnan(a), jnp.uint8(7), mag)
+    return jnp.where(jnp.signbit(x), mag | jnp.uint8(8), mag)
+
+
+def e2m1_values(codes):
+    mags = jnp.take(jnp.asarray(_layout.E2M1_MAGNITUDES), (codes & 7).astype(jnp.int32))
+    return jnp.where((codes & 8) != 0, -mags, mags)
+
+
+def _block_amax(x):
+    """maxNum over the last axis of |x|: NaN ignored unless all are NaN (spec §2 step 1)."""
+    a = jnp.abs(x)
+    nan = jnp.isnan(a)
+    m = jnp.max(jnp.where(nan, -jnp.inf, a), axis=-1)
+    return jnp.where(jnp.all(nan, axis=-1), jnp.float32(jnp.nan), m)
+
+
+def _block_scale(amax, g, recip):
+    sf = g * (amax * recip)
+    byte = e4m3_encode(sf)
+    sfq = e4m3_decode(byte)
+    safe = jnp.where(sfq != 0, sfq, jnp.float32(1))
+    out_scale = jnp.where(sfq != 0, jnp.float32(1) / (safe * (jnp.float32(1) / g)), jnp.float32(0))
+    return byte, out_scale
+
+
+def _block_error(x, out_scale):
+    """Spec §3: squared reconstruction error, pairwise in element order, no fused operation."""
+    out = out_scale[..., None]
+    safe = jnp.where(out != 0, out, jnp.float32(1))
+    deq = jnp.float32(1) / safe
+    d = _rounded(e2m1_values(e2m1_codes(x, out)) * deq) - x
+    d = jnp.where(out != 0, d, -x)  # out_scale == 0: err = sum x^2
+    sq = _rounded(d * d)
+    pairs = sq[..., 0::2] + sq[..., 1::2]
+    err = jnp.zeros(pairs.shape[:-1], jnp.float32)
+    for j in range(_BLOCK // 2):
+        err = err + pairs[..., j]
+    return err
+
+
+def quantize_blocks(x, g, scale_search="default"):
+    """Quantises x [..., 16] (float32) with g = 1/scale (spec §2, §3).
+
+    Returns (codes uint8 [..., 16] with the sign in bit 3, scale bytes uint8 [...]).
+    """
+    amax = _block_amax(x)
+    byte, out_scale = _block_scale(amax, g, _RECIP6)
+    if scale_search == "4over6":
+        byte4, out4 = _block_scale(amax, g, _RECIP4)
+        take4 = _block_error(x, out4) < _block_error(x, out_scale)
+        byte = jnp.where(take4, byte4, byte)
+        out_scale = jnp.where(take4, out4, out_scale)
+    return e2m1_codes(x, out_scale[..., None]), byte
+
+
+def pack_codes(codes):
+    """[..., 2n] codes -> [..., n] bytes, element 2k in the low nibble of byte k."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed):
+    lo = packed & 0xF
+    hi = packed >> 4
+    return jnp.stack([lo, hi], axis=-1).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _scalar(s):
+    return jnp.reshape(jnp.asarray(s, jnp.float32), ())
+
+
+def quantize_head_vectors(x, scale, scale_search="default"):
+    """[..., head_size] bf16/fp16 -> (packed [..., head_size/2], scale bytes [..., head_size/16])."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // _BLOCK, _BLOCK)
+    g = jnp.float32(1) / _scalar(scale)
+    codes, scales = quantize_blocks(xf, g, scale_search)
+    return pack_codes(codes).reshape(*x.shape[:-1], x.shape[-1] // 2), scales
+
+
+def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layout="HND",
+                      scale_search="default", v_scale_swizzle=True):
+    """jnp twin of :func:`jax_nvfp4.reshape_and_cache` (same signature, same bytes)."""
+    key, value, kv_cache, slot_mapping = map(jnp.asarray, (key, value, kv_cache, slot_mapping))
+    k_scale = jnp.asarray(k_scale, jnp.float32)
+    v_scale = jnp.asarray(v_scale, jnp.float32)
+    geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
+                                  layout=layout, scale_search=scale_search,
+                                  v_scale_swizzle=v_scale_swizzle)
+    slots = slot_mapping
+    valid = (slots >= 0) & (slots < geo.num_slots)
+    # Tokens that must not write go to a block past the end, which the scatter drops.
+    block = jnp.where(valid, slots // geo.block_size, geo.num_blocks).astype(jnp.int32)
+    row = jnp.where(valid, slots % geo.block_size, 0).astype(jnp.int32)
+
+    pages = kv_cache.reshape(geo.num_blocks, 2, geo.side_bytes)
+    data_offsets = jnp.asarray(geo.data_offsets(), jnp.int32)          # [H, T, D/2]
+    tok_data = jnp.moveaxis(data_offsets[:, row], 1, 0)                # [tokens, H, D/2]
+    for side, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
+        packed, scale_bytes = quantize_head_vectors(x, scale, scale_search)
+        scale_offsets = jnp.asarray(geo.scale_offsets(side == 1, v_scale_swizzle), jnp.int32)
+        tok_scale = jnp.moveaxis(scale_offsets[:, row], 1, 0)          # [tokens, H, D/16]
+        b = block[:, None, None]
+        pages = pages.at[b, side, tok_data].set(packed, mode="drop")
+        pages = pages.at[b, side, tok_scale].set(scale_bytes, mode="drop")
+    return pages.reshape(kv_cache.shape)
+
+
+def dequantize_pages(pages, geo, k_scale, v_scale, *, v_scale_swizzle=True, dtype=jnp.bfloat16):
+    """Pages [..., 2, side bytes] of a cache -> (k, v), each [..., block_size, H, D] in dtype."""
+    lead = pages.shape[:-2]
+    out = []
+    for side, scale in ((0, k_scale), (1, v_scale)):
+        flat = pages[..., side, :]
+        packed = jnp.take(flat, jnp.asarray(geo.data_offsets(), jnp.int32), axis=-1)
+        scale_bytes = jnp.take(flat, jnp.asarray(geo.scale_offsets(side == 1, v_scale_swizzle),
+                                                 jnp.int32), axis=-1)
+        values = e2m1_values(unpack_codes(packed))                     # [..., H, T, D]
+        values = values.reshape(*values.shape[:-1], geo.scales_per_head, _BLOCK)
+        # Left to right as spec §1 writes it: E2M1 * E4M3 is exact, so this rounds once.
+        x = (values * e4m3_decode(scale_bytes)[..., None]) * _scalar(scale)
+        x = x.reshape(*lead, geo.num_kv_heads, geo.block_size, geo.head_size)
+        out.append(jnp.swapaxes(x, -3, -2).astype(dtype))             # [..., T, H, D]
+    return tuple(out)
+
+
+def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True,
+               dtype=jnp.bfloat16):
+    """Reads a whole cache back: (k, v), each [num_blocks, block_size, num_kv_heads, head_size]."""
+    kv_cache = jnp.asarray(kv_cache)
+    geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
+    pages = kv_cache.reshape(geo.num_blocks, 2, geo.side_bytes)
+    return dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=v_scale_swizzle,
+                            dtype=dtype)
