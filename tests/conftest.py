@@ -1,0 +1,44 @@
+"""Test setup: 8 virtual CPU devices (for the sharding tests; set before JAX starts a backend),
+CPU as the default device for every test not marked ``gpu``, and the ``gpu`` marker, which
+skips where no GPU is visible."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+NUM_CPU_DEVICES = 8
+
+
+def gpu_devices():
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where none is visible")
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_devices():
+        return
+    skip = pytest.mark.skip(reason="no GPU visible")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _default_cpu(request):
+    """Tests run on the CPU backend unless marked gpu, also on a machine with a GPU."""
+    if "gpu" in request.keywords:
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
