@@ -8,8 +8,13 @@
 // float32 operations.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
 
 #if defined(__CUDACC__)
 #define NVFP4_HD __host__ __device__ __forceinline__
@@ -86,6 +91,9 @@ NVFP4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); 
 // Widening of the 16-bit inputs: exact.
 NVFP4_HD float bf16_bits_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
 NVFP4_HD float f16_bits_to_float(uint16_t h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h));  // exact, one instruction
+#else
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
   const uint32_t man = h & 0x3FFu;
@@ -94,6 +102,7 @@ NVFP4_HD float f16_bits_to_float(uint16_t h) {
   // Zero or subnormal: man * 2^-24, exact in float32.
   const float mag = mul_rn(float(man), 5.9604644775390625e-08f);
   return bits_float(sign | float_bits(mag));
+#endif
 }
 
 // ---------------------------------------------------------------------------------------
@@ -111,9 +120,21 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
   }
 }
 
-// Magnitude code of |y| by the comparison ladder of spec §2 step 5: ties to even,
-// saturation to 6, and NaN (every comparison false) to 6.
+// Magnitude code of a = |y| (a >= 0 or NaN) with the rounding of the comparison ladder of
+// spec §2 step 5 (`<= 0.25 -> 0, < 0.75 -> 1, <= 1.25 -> 2, ... <= 5 -> 6, else 7`; NaN -> 7),
+// computed with fewer operations: below 1 the codes step by 0.5 (two comparisons); from 1 to 5
+// the code is the float rounded to one mantissa bit, ties to even, read off its bits. The
+// ladder itself is e2m1_magnitude_code_ladder; tests compare the two on every float.
 NVFP4_HD uint8_t e2m1_magnitude_code(float a) {
+  const uint32_t u = float_bits(a);
+  if (u > 0x40A00000u) return 7;  // a > 5, +Inf and NaN (non-negative floats order as integers)
+  if (u < 0x3F800000u) return uint8_t((a > 0.25f) + (a >= 0.75f));  // a < 1
+  // 1 <= a <= 5: keep one mantissa bit, round half to even; biased exponent 127 -> code 2.
+  const uint32_t rounded = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
+  return uint8_t(rounded - 2u * 127u + 2u);
+}
+
+NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
   if (a <= 0.25f) return 0;
   if (a < 0.75f) return 1;
   if (a <= 1.25f) return 2;
@@ -182,13 +203,11 @@ NVFP4_HD float e4m3_decode(uint8_t byte) {
 constexpr float kRecip6 = 1.0f / 6.0f;
 constexpr float kRecip4 = 0.25f;
 
-// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1).
+// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1). fmaxf
+// has exactly these semantics in C and in CUDA.
 NVFP4_HD float block_amax(const float* x) {
   float m = abs_f(x[0]);
-  for (int i = 1; i < kBlockElems; ++i) {
-    const float a = abs_f(x[i]);
-    if (is_nan(m) || a > m) m = a;
-  }
+  for (int i = 1; i < kBlockElems; ++i) m = fmaxf(m, abs_f(x[i]));
   return m;
 }
 
@@ -270,13 +289,15 @@ struct PageGeometry {
     return plane_row(head, row) * data_bytes_per_head_token();
   }
   // Byte offset, within the side, of scale s of (head, token row). V scales may be swizzled.
-  NVFP4_HD int64_t scale_offset(bool is_value, int64_t head, int64_t row, int64_t s) const {
-    const int64_t num_scales = scales_per_head_token();
-    int64_t row_in_plane = row, col = s;
+  // The in-page indices are small: 32-bit arithmetic (a 64-bit division is slow on GPUs).
+  NVFP4_HD int64_t scale_offset(bool is_value, int64_t head, int32_t row, int32_t s) const {
+    const int32_t num_scales = int32_t(scales_per_head_token());
+    int32_t row_in_plane = row, col = s;
     if (is_value && v_scale_swizzle) {
-      const int64_t group = num_scales / 4;
-      row_in_plane = (row / 4) * 4 + s / group;
-      col = (s % group) * 4 + row % 4;
+      const int32_t group = num_scales / 4;
+      const int32_t s_hi = s / group;
+      row_in_plane = (row / 4) * 4 + s_hi;
+      col = (s - s_hi * group) * 4 + row % 4;
     }
     return side_data_bytes() + plane_row(head, row_in_plane) * num_scales + col;
   }

@@ -23,7 +23,9 @@ void StoreAll(const StoreProblem& p) {
             const uint16_t* in = src + p.input_offset(layer, token, head, b);
             float x[kBlockElems];
             for (int i = 0; i < kBlockElems; ++i) x[i] = widen(in[i], p.is_f16);
-            const BlockPlacement at = place_block(p, layer, slot, side, head, b);
+            const BlockPlacement at =
+                place_block(p, layer, slot / p.page.block_size,
+                            int32_t(slot % p.page.block_size), side, head, int32_t(b));
             p.kv_cache[at.scale] =
                 quantize_block(x, g, p.scale_search, p.kv_cache + at.data);
           }

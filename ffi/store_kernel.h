@@ -58,10 +58,8 @@ struct BlockPlacement {
   int64_t scale;
 };
 
-NVFP4_HD BlockPlacement place_block(const StoreProblem& p, int64_t layer, int64_t slot, int side,
-                                    int64_t head, int64_t b) {
-  const int64_t block = slot / p.page.block_size;
-  const int64_t row = slot % p.page.block_size;
+NVFP4_HD BlockPlacement place_block(const StoreProblem& p, int64_t layer, int64_t block,
+                                    int32_t row, int side, int64_t head, int32_t b) {
   const int64_t side_base =
       layer * p.layer_cache_bytes() + (block * 2 + side) * p.page.side_bytes();
   return {side_base + p.page.data_offset(head, row) + b * kBlockBytes,

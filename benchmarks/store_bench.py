@@ -1,0 +1,364 @@
+"""Benchmark of the NVFP4 store against what a JAX user has without it, and the memory ceiling.
+
+    python benchmarks/store_bench.py                 # the full table (GPU); writes JSON + PNG
+    python benchmarks/store_bench.py --quick         # a small smoke run (works on CPU)
+
+Timing method: device time per call from chained calls. Each method's call is chained n times
+in ONE compiled program (the cache threads through every call, so XLA can neither fuse nor drop
+them; every call gets its own slot_mapping). The program runs with the cache donated; its wall
+time is measured after block_until_ready, median of several runs, for two chain lengths n1 < n2.
+Per call = (t(n2) - t(n1)) / (n2 - n1): the program's fixed cost (dispatch, the first launch)
+cancels, what remains is the device time of one call plus its share of launch gaps inside
+the program.
+
+Bytes per call: K and V read (2 * tokens * heads * head_size * 2 bytes for bf16) plus the cache
+bytes written (tokens * heads * 2 * F for NVFP4, F = head_size * 9 / 16; 2 bytes per element for
+the bf16 cache, 1 for fp8). Ceiling: the better of a device-to-device copy of a >= 1 GiB buffer
+and an in-place elementwise pass over it, counting bytes read + written, each timed as many
+calls queued back to back (again the difference of two counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_nvfp4  # noqa: E402
+from jax_nvfp4 import layout as nv_layout  # noqa: E402
+from jax_nvfp4 import reference as nv_reference  # noqa: E402
+
+GiB = 1 << 30
+
+
+def _ready(x):
+    jax.block_until_ready(x)
+    return x
+
+
+def _time_program(fn, state, args, repeats):
+    """Median wall time of fn(state, *args) (state donated and threaded through)."""
+    state = _ready(fn(state, *args))  # compile + warm up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = _ready(fn(state, *args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), state
+
+
+def chained_time(step, state, per_call_args, n1, n2, repeats):
+    """Device seconds per call of step(state, *args_i), by the difference of two chain lengths.
+
+    per_call_args: a list of at least n2 argument tuples (one per chained call).
+    """
+
+    def chain(n):
+        def program(state, calls):
+            for args in calls[:n]:
+                state = step(state, *args)
+            return state
+
+        return jax.jit(program, donate_argnums=0)
+
+    t1, state = _time_program(chain(n1), state, (per_call_args[:n1],), repeats)
+    t2, state = _time_program(chain(n2), state, (per_call_args[:n2],), repeats)
+    return max(t2 - t1, 0.0) / (n2 - n1), state
+
+
+def chain_lengths(step, state, per_call_args, target_s):
+    """Picks n1 < n2 so that the longer chain runs for about target_s."""
+    one = jax.jit(lambda s, *a: step(s, *a), donate_argnums=0)
+    state = _ready(one(state, *per_call_args[0]))
+    t0 = time.perf_counter()
+    state = _ready(one(state, *per_call_args[0]))
+    single = time.perf_counter() - t0  # an over-estimate: includes dispatch
+    n2 = int(min(max(target_s / max(single, 1e-6), 8), 200))
+    return 2, n2, state
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods: each returns (step(state, key, value, slots) -> state, initial state, bytes/call).
+
+def nvfp4_method(scale_search, num_blocks, block_size, heads, head_size, k_scale, v_scale,
+                 store=jax_nvfp4.reshape_and_cache):
+    def step(cache, key, value, slots):
+        return store(key, value, cache, slots, k_scale, v_scale, layout="HND",
+                     scale_search=scale_search, v_scale_swizzle=True)
+
+    cache = jax_nvfp4.allocate_kv_cache(num_blocks, block_size, heads, head_size)
+    return step, cache
+
+
+def reference_method(scale_search, *args):
+    return nvfp4_method(scale_search, *args, store=nv_reference.reshape_and_cache)
+
+
+def dense_method(dtype, num_blocks, block_size, heads, head_size, k_scale, v_scale):
+    """A donated paged cache [num_blocks, 2, block_size, heads, head_size] in bf16 or fp8,
+    updated with .at[].set: what a JAX user writes today."""
+
+    def step(cache, key, value, slots):
+        block, row = slots // block_size, slots % block_size
+        if dtype == jnp.bfloat16:
+            k, v = key, value
+        else:  # per-tensor fp8 with saturation (a plain astype would turn overflow into NaN)
+            k = jnp.clip(key.astype(jnp.float32) / k_scale, -448, 448).astype(dtype)
+            v = jnp.clip(value.astype(jnp.float32) / v_scale, -448, 448).astype(dtype)
+        cache = cache.at[block, 0, row].set(k, mode="drop")
+        return cache.at[block, 1, row].set(v, mode="drop")
+
+    cache = jnp.zeros((num_blocks, 2, block_size, heads, head_size), dtype)
+    return step, cache
+
+
+def store_bytes(tokens, heads, head_size, method):
+    read = 2 * tokens * heads * head_size * 2
+    if method.startswith("nvfp4") or method.startswith("jnp reference"):
+        written = 2 * tokens * heads * nv_layout.head_bytes(head_size)
+    elif method.startswith("bf16"):
+        written = 2 * tokens * heads * head_size * 2
+    else:
+        written = 2 * tokens * heads * head_size
+    return read + written
+
+
+def make_inputs(rng, tokens, heads, head_size, num_blocks, block_size, n_calls):
+    key = jnp.asarray(rng.standard_normal((tokens, heads, head_size), np.float32), jnp.bfloat16)
+    value = jnp.asarray(rng.standard_normal((tokens, heads, head_size), np.float32), jnp.bfloat16)
+    pages_needed = -(-tokens // block_size)
+    slot_sets = []
+    for _ in range(n_calls):
+        # Prefill-like: the tokens fill whole pages, the pages are scattered over the cache.
+        pages = rng.choice(num_blocks, size=pages_needed, replace=False)
+        slots = (pages[:, None] * block_size + np.arange(block_size)).reshape(-1)[:tokens]
+        slot_sets.append(jnp.asarray(slots, jnp.int32))
+    return key, value, slot_sets
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _async_time(fn, x, n1, n2, repeats):
+    """Device seconds per fn call: n calls queued back to back (dispatch is asynchronous, so the
+    host stays ahead of the device when one call takes far longer than its dispatch), for two n."""
+
+    def run(n, x):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x = fn(x)
+        _ready(x)
+        return time.perf_counter() - t0, x
+
+    x = _ready(fn(x))
+    t = {}
+    for n in (n1, n2):
+        samples = []
+        for _ in range(repeats):
+            dt, x = run(n, x)
+            samples.append(dt)
+        t[n] = statistics.median(samples)
+    return (t[n2] - t[n1]) / (n2 - n1), x
+
+
+def measure_ceiling(nbytes, repeats):
+    """Bytes moved per second (read + write) by the better of two passes over nbytes of device
+    memory: a device-to-device copy (jax.device_put without aliasing) and an in-place
+    elementwise pass (a compiled x ^ 1 with x donated), each its own program."""
+    x = jnp.arange(nbytes // 4, dtype=jnp.uint32)
+    copy_s, x = _async_time(lambda a: jax.device_put(a, a.sharding, may_alias=False), x, 2, 8,
+                            repeats)
+    flip = jax.jit(lambda a: a ^ jnp.uint32(1), donate_argnums=0)
+    pass_s, x = _async_time(flip, x, 2, 8, repeats)
+    del x
+    copy, elementwise = 2 * nbytes / copy_s, 2 * nbytes / pass_s
+    return {"elementwise_Bps": elementwise, "device_put_copy_Bps": copy,
+            "ceiling_Bps": max(elementwise, copy), "bytes": nbytes}
+
+
+def cache_blocks_for(cache_bytes, block_size, heads, head_size):
+    return max(1, cache_bytes // (2 * heads * block_size * nv_layout.head_bytes(head_size)))
+
+
+def run(args):
+    rng = np.random.default_rng(0)
+    device = jax.devices()[0]
+    print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+          f"date {time.strftime('%Y-%m-%d')}", flush=True)
+    ceiling = measure_ceiling(args.ceiling_bytes, args.repeats)
+    ceil_bps = ceiling["ceiling_Bps"]
+    print(f"ceiling: elementwise {ceiling['elementwise_Bps'] / 1e12:.2f} TB/s, device_put copy "
+          f"{ceiling['device_put_copy_Bps'] / 1e12:.2f} TB/s over {args.ceiling_bytes / GiB:.1f} GiB",
+          flush=True)
+
+    configs = []
+    for heads in args.heads:
+        for tokens in args.tokens:
+            configs.append((tokens, heads, 128))
+    for head_size in args.extra_head_sizes:
+        configs.append((args.extra_tokens, args.heads[0], head_size))
+
+    block_size = 16
+    rows = []
+    for tokens, heads, head_size in configs:
+        # A cache twice the tokens (at least 64 pages): slots spread over it.
+        num_blocks = max(2 * -(-tokens // block_size), 64)
+        key, value, slot_sets = make_inputs(rng, tokens, heads, head_size, num_blocks, block_size,
+                                            args.max_chain)
+        k_scale = jnp.max(jnp.abs(key.astype(jnp.float32))) / 448
+        v_scale = jnp.max(jnp.abs(value.astype(jnp.float32))) / 448
+        geometry = (num_blocks, block_size, heads, head_size, k_scale, v_scale)
+        methods = {
+            "nvfp4 default": lambda: nvfp4_method("default", *geometry),
+            "nvfp4 4over6": lambda: nvfp4_method("4over6", *geometry),
+            "jnp reference (jit)": lambda: reference_method("default", *geometry),
+            "bf16 .at[].set": lambda: dense_method(jnp.bfloat16, *geometry),
+            "fp8 .at[].set": lambda: dense_method(jnp.float8_e4m3fn, *geometry),
+        }
+        if tokens > args.reference_max_tokens:
+            methods.pop("jnp reference (jit)")
+        if args.methods:
+            methods = {k: v for k, v in methods.items()
+                       if any(k.startswith(m) for m in args.methods)}
+        for name, make in methods.items():
+            step, state = make()
+            calls = [(key, value, s) for s in slot_sets]
+            n1, n2, state = chain_lengths(step, state, calls, args.target_seconds)
+            per_call, state = chained_time(step, state, calls, n1, min(n2, len(calls)),
+                                           args.repeats)
+            del state
+            nbytes = store_bytes(tokens, heads, head_size, name)
+            row = {"tokens": tokens, "kv_heads": heads, "head_size": head_size, "method": name,
+                   "us_per_call": per_call * 1e6, "bytes": nbytes,
+                   "GBps": nbytes / per_call / 1e9 if per_call > 0 else float("nan")}
+            row["pct_ceiling"] = 100 * row["GBps"] * 1e9 / ceil_bps
+            rows.append(row)
+            print(f"{tokens:>7} tok {heads:>2} heads D={head_size:<3} {name:<20} "
+                  f"{row['us_per_call']:>10.2f} us {row['GBps']:>8.1f} GB/s "
+                  f"{row['pct_ceiling']:>6.1f}% of ceiling", flush=True)
+
+    size_rows = []
+    for cache_bytes in args.cache_sizes:
+        tokens, heads, head_size = args.size_tokens, args.heads[0], 128
+        num_blocks = cache_blocks_for(cache_bytes, block_size, heads, head_size)
+        key, value, slot_sets = make_inputs(rng, tokens, heads, head_size, num_blocks, block_size,
+                                            args.max_chain)
+        k_scale = jnp.max(jnp.abs(key.astype(jnp.float32))) / 448
+        step, cache = nvfp4_method("default", num_blocks, block_size, heads, head_size,
+                                   k_scale, k_scale)
+        calls = [(key, value, s) for s in slot_sets]
+        per_call, cache = chained_time(step, cache, calls, 2, args.max_chain, args.repeats)
+        size_rows.append({"cache_bytes": int(cache.nbytes), "tokens": tokens,
+                          "us_per_call": per_call * 1e6})
+        print(f"cache {cache.nbytes / GiB:6.2f} GiB: store of {tokens} tokens "
+              f"{per_call * 1e6:.2f} us", flush=True)
+        del cache
+
+    return {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+            "date": time.strftime("%Y-%m-%d"), "ceiling": ceiling, "rows": rows,
+            "cache_size_rows": size_rows, "method_note": __doc__.split("\n\n")[1]}
+
+
+def markdown(result):
+    lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
+             f"{result['ceiling']['ceiling_Bps'] / 1e12:.2f} TB/s (read + write; elementwise "
+             f"{result['ceiling']['elementwise_Bps'] / 1e12:.2f}, device_put copy "
+             f"{result['ceiling']['device_put_copy_Bps'] / 1e12:.2f}).", "",
+             "| tokens | kv heads | head size | method | µs / call | GB/s | % of ceiling |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for r in result["rows"]:
+        lines.append(f"| {r['tokens']} | {r['kv_heads']} | {r['head_size']} | {r['method']} | "
+                     f"{r['us_per_call']:.2f} | {r['GBps']:.1f} | {r['pct_ceiling']:.1f} |")
+    if result["cache_size_rows"]:
+        lines += ["", "| cache size | tokens stored | µs / call |", "| ---: | ---: | ---: |"]
+        for r in result["cache_size_rows"]:
+            lines.append(f"| {r['cache_bytes'] / GiB:.2f} GiB | {r['tokens']} | "
+                         f"{r['us_per_call']:.2f} |")
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for heads in sorted({r["kv_heads"] for r in result["rows"]}):
+        for method in dict.fromkeys(r["method"] for r in result["rows"]):
+            rs = [r for r in result["rows"] if r["kv_heads"] == heads and r["method"] == method
+                  and r["head_size"] == 128]
+            if not rs:
+                continue
+            x = [r["tokens"] for r in rs]
+            style = "-" if heads == 8 else "--"
+            axes[0].plot(x, [r["us_per_call"] for r in rs], style, marker="o",
+                         label=f"{method}, {heads} heads")
+            axes[1].plot(x, [r["pct_ceiling"] for r in rs], style, marker="o",
+                         label=f"{method}, {heads} heads")
+    axes[0].set(xscale="log", yscale="log", xlabel="tokens per call", ylabel="µs per call",
+                title=f"store time ({result['device']})")
+    axes[1].set(xscale="log", xlabel="tokens per call", ylabel="% of measured copy ceiling",
+                title="effective bandwidth / ceiling")
+    axes[1].axhline(85, color="gray", lw=0.8)
+    for ax in axes:
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="small sizes (a smoke run, e.g. on CPU)")
+    p.add_argument("--out", default="benchmarks/out", help="folder for the JSON, table and PNG")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--target-seconds", type=float, default=0.02)
+    p.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
+    p.add_argument("--heads", type=int, nargs="*", help="override the kv head counts")
+    p.add_argument("--methods", nargs="*", help="only methods whose name starts with one of these")
+    p.add_argument("--no-cache-sizes", action="store_true", help="skip the 1 vs 64 GiB cache test")
+    args = p.parse_args(argv)
+    overrides = {"tokens": args.tokens, "heads": args.heads}
+    if args.quick:
+        args.tokens, args.heads, args.extra_head_sizes, args.extra_tokens = [1, 16, 256], [8], [64], 256
+        args.cache_sizes, args.size_tokens = [8 << 20, 64 << 20], 256
+        args.ceiling_bytes, args.reference_max_tokens, args.max_chain = 64 << 20, 1 << 30, 12
+        args.repeats = 3
+    else:
+        args.tokens = [1, 16, 256, 4096, 32768, 131072]
+        args.heads, args.extra_head_sizes, args.extra_tokens = [8, 32], [64, 256], 32768
+        args.cache_sizes, args.size_tokens = [1 * GiB, 64 * GiB], 4096
+        args.ceiling_bytes, args.reference_max_tokens, args.max_chain = 2 * GiB, 1 << 30, 200
+    for name, value in overrides.items():
+        if value:
+            setattr(args, name, value)
+            args.extra_head_sizes = []
+    if args.no_cache_sizes:
+        args.cache_sizes = []
+    os.makedirs(args.out, exist_ok=True)
+    result = run(args)
+    table = markdown(result)
+    print()
+    print(table)
+    with open(os.path.join(args.out, "store_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "store_bench.md"), "w") as f:
+        f.write(table + "\n")
+    try:
+        plot(result, os.path.join(args.out, "store_bench.png"))
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()
