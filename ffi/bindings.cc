@@ -28,12 +28,13 @@ NB_MODULE(_ffi, m) {
     return platforms;
   }, "Store handlers by XLA platform name, as capsules for jax.ffi.register_ffi_target.");
   m.def("_e2m1_code_mismatches", []() {
-    // Every non-negative float32 (and +Inf and the NaNs): the fast e2m1 rounding against the
-    // comparison ladder of spec §2 step 5. Returns how many differ (a test expects 0).
+    // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
+    // the comparison ladder of spec §2 step 5 on |y|. Returns how many differ (a test expects 0).
     uint64_t mismatches = 0;
     for (uint32_t u = 0; u <= 0x7FFFFFFFu; ++u) {
-      const float a = nvfp4::bits_float(u);
-      mismatches += nvfp4::e2m1_magnitude_code(a) != nvfp4::e2m1_magnitude_code_ladder(a);
+      const uint32_t ladder = nvfp4::e2m1_magnitude_code_ladder(nvfp4::bits_float(u));
+      mismatches += nvfp4::e2m1_magnitude_code(nvfp4::bits_float(u)) != ladder;
+      mismatches += nvfp4::e2m1_magnitude_code(nvfp4::bits_float(u | 0x80000000u)) != ladder;
     }
     return mismatches;
   }, "Self-check of the numerics header (slow: every non-negative float).");

@@ -6,6 +6,11 @@
 // device these are the correctly rounded intrinsics (never contracted into an FMA); on the
 // host the library is compiled with -ffp-contract=off, so plain operators are exact IEEE
 // float32 operations.
+//
+// Float32 subnormals flush to zero, as inputs and as results of every operation: the spec is
+// silent here, and this is what XLA:CPU does to the jnp reference (it runs with FTZ and DAZ
+// set) and what GPU kernels commonly do. The CUDA code is compiled with --ftz=true and the
+// CPU handler sets FTZ/DAZ itself (FlushDenormalsScope), so all three agree on such inputs.
 #pragma once
 
 #include <cmath>
@@ -120,18 +125,29 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
   }
 }
 
-// Magnitude code of a = |y| (a >= 0 or NaN) with the rounding of the comparison ladder of
-// spec §2 step 5 (`<= 0.25 -> 0, < 0.75 -> 1, <= 1.25 -> 2, ... <= 5 -> 6, else 7`; NaN -> 7),
-// computed with fewer operations: below 1 the codes step by 0.5 (two comparisons); from 1 to 5
-// the code is the float rounded to one mantissa bit, ties to even, read off its bits. The
-// ladder itself is e2m1_magnitude_code_ladder; tests compare the two on every float.
-NVFP4_HD uint8_t e2m1_magnitude_code(float a) {
-  const uint32_t u = float_bits(a);
-  if (u > 0x40A00000u) return 7;  // a > 5, +Inf and NaN (non-negative floats order as integers)
-  if (u < 0x3F800000u) return uint8_t((a > 0.25f) + (a >= 0.75f));  // a < 1
-  // 1 <= a <= 5: keep one mantissa bit, round half to even; biased exponent 127 -> code 2.
-  const uint32_t rounded = (u + 0x1FFFFFu + ((u >> 22) & 1u)) >> 22;
-  return uint8_t(rounded - 2u * 127u + 2u);
+// Magnitude code of |y| with the rounding of the comparison ladder of spec §2 step 5
+// (`<= 0.25 -> 0, < 0.75 -> 1, <= 1.25 -> 2, ... <= 5 -> 6, else 7`; NaN -> 7), in a few
+// branch-free operations (the ladder itself, e2m1_magnitude_code_ladder, is what tests compare
+// this with, on every float):
+//   a = min(|y|, 6)                    (NaN -> 6: code 7)
+//   k = 0, 1, 2 for a < 2, [2, 4), [4, 6]: the e2m1 grid step there is 0.5, 1, 2
+//   code = RNE(a * 2^(1-k)) + 2k       (0.5-steps count 0..4, then 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7)
+// RNE(z) for 0 <= z <= 4 is the low bits of z + 2^23, computed as one correctly rounded
+// operation: z = a * 2^(1-k) is exact, so mul-then-add here equals the device's fused multiply-add.
+NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
+  // min(|y|, 6) on the bits: non-negative floats order as integers, and NaN (above +Inf) -> 6.
+  const uint32_t u = float_bits(y) & 0x7FFFFFFFu;
+  const uint32_t a_bits = u < 0x40C00000u ? u : 0x40C00000u;
+  // e = 127 + k: the biased exponent of a, at least that of 1.
+  const uint32_t e = (a_bits >> 23) > 127u ? (a_bits >> 23) : 127u;
+  const float step_inverse = bits_float((255u << 23) - (e << 23));  // 2^(1-k)
+  const float magic = bits_float(0x4B000000u - 2u * 127u + 2u * e);  // 2^23 + 2k
+#if defined(__CUDA_ARCH__)
+  const float rounded = __fmaf_rn(bits_float(a_bits), step_inverse, magic);
+#else
+  const float rounded = add_rn(mul_rn(bits_float(a_bits), step_inverse), magic);
+#endif
+  return float_bits(rounded) & 7u;
 }
 
 NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
@@ -150,50 +166,42 @@ NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
 // is a number; for a NaN y it makes the sign deterministic (the sign of a NaN product is not
 // portable between x86, CUDA and XLA).
 NVFP4_HD uint8_t e2m1_code(float x, float out_scale) {
-  const uint8_t sign = (float_bits(x) >> 31) ? 8u : 0u;
-  return sign | e2m1_magnitude_code(abs_f(mul_rn(x, out_scale)));
+  return uint8_t(((float_bits(x) >> 28) & 8u) | e2m1_magnitude_code(mul_rn(x, out_scale)));
 }
 
 // ---------------------------------------------------------------------------------------
 // E4M3 ("e4m3fn": bias 7, no infinities, 0x7F/0xFF NaN) (spec §2 step 3).
 
 // Round to nearest even, saturate finite values and infinities to +-448, NaN -> 0x7F.
+// Branch-free (selects): normal results keep 3 of the 23 mantissa bits with ties to even on
+// the bits; results below the smallest normal 2^-6 are multiples of 2^-9, rounded by adding
+// 2^23 to a * 512 (exact) in one rounding.
 NVFP4_HD uint8_t e4m3_encode(float x) {
-  if (is_nan(x)) return kE4M3NaN;
   const uint32_t bits = float_bits(x);
-  const uint8_t sign = uint8_t((bits >> 31) << 7);
-  const float a = abs_f(x);
-  if (a >= kE4M3Max) return sign | 0x7E;
-  if (a < 0.015625f) {
-    // Below the smallest normal 2^-6: multiples of the subnormal step 2^-9. a * 512 is exact;
-    // round half to even by hand (q <= 8, and q == 8 is the smallest normal's code).
-    const float s = mul_rn(a, 512.0f);
-    uint32_t q = uint32_t(s);
-    const float frac = sub_rn(s, float(q));
-    if (frac > 0.5f || (frac == 0.5f && (q & 1u))) ++q;
-    return sign | uint8_t(q);
-  }
-  // Normal: keep 3 of the 23 mantissa bits, ties to even.
-  int32_t exponent = int32_t((bits >> 23) & 0xFFu) - 127;  // -6 .. 8
-  uint32_t mantissa = bits & 0x7FFFFFu;
-  uint32_t kept = mantissa >> 20;
-  const uint32_t rest = mantissa & 0xFFFFFu;
-  if (rest > 0x80000u || (rest == 0x80000u && (kept & 1u))) ++kept;
-  if (kept == 8u) {
-    kept = 0;
-    ++exponent;
-  }
-  const uint32_t code = (uint32_t(exponent + 7) << 3) | kept;
-  return sign | uint8_t(code > 0x7Eu ? 0x7Eu : code);
+  const uint32_t u = bits & 0x7FFFFFFFu;
+  // Normal: f32 exponent bias 127 -> e4m3 bias 7 is 120 << 3 in the 8-bit code.
+  const uint32_t normal = ((u + 0x7FFFFu + ((u >> 20) & 1u)) >> 20) - (120u << 3);
+#if defined(__CUDA_ARCH__)
+  const float sub = __fmaf_rn(bits_float(u), 512.0f, 8388608.0f);
+#else
+  const float sub = add_rn(mul_rn(bits_float(u), 512.0f), 8388608.0f);
+#endif
+  const uint32_t subnormal = float_bits(sub) & 0xFu;
+  uint32_t code = u < 0x3C800000u ? subnormal : normal;  // 2^-6
+  code = u >= 0x43E00000u ? 0x7Eu : code;                // >= 448, +Inf
+  code |= (bits >> 24) & 0x80u;
+  return uint8_t(u > 0x7F800000u ? uint32_t(kE4M3NaN) : code);
 }
 
 NVFP4_HD float e4m3_decode(uint8_t byte) {
   const uint32_t sign = uint32_t(byte & 0x80u) << 24;
   const uint32_t exp = (byte >> 3) & 0xFu;
   const uint32_t man = byte & 7u;
-  if (exp == 0xFu && man == 7u) return bits_float(sign | 0x7FC00000u);
-  if (exp == 0) return bits_float(sign | float_bits(mul_rn(float(man), 0.001953125f)));  // 2^-9
-  return bits_float(sign | ((exp + 120u) << 23) | (man << 20));
+  // Subnormal man * 2^-9: man is read exactly off 2^23 + man, the product is exact.
+  const float subnormal = mul_rn(sub_rn(bits_float(0x4B000000u | man), 8388608.0f), 0.001953125f);
+  const uint32_t magnitude =
+      exp == 0 ? float_bits(subnormal) : ((exp + 120u) << 23) | (man << 20);
+  return bits_float((byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u | sign : sign | magnitude);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -203,11 +211,27 @@ NVFP4_HD float e4m3_decode(uint8_t byte) {
 constexpr float kRecip6 = 1.0f / 6.0f;
 constexpr float kRecip4 = 0.25f;
 
-// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1). fmaxf
-// has exactly these semantics in C and in CUDA.
+// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1), the
+// semantics of CUDA's fmaxf (signalling NaNs included). C's fmaxf may return NaN for a
+// signalling NaN, so the host spells the rule out.
+NVFP4_HD float max_num(float m, float a) {
+#if defined(__CUDA_ARCH__)
+  return fmaxf(m, a);
+#else
+  if (is_nan(a)) return m;
+  if (is_nan(m)) return a;
+  return a > m ? a : m;
+#endif
+}
+
 NVFP4_HD float block_amax(const float* x) {
+#if defined(__CUDA_ARCH__)
+  float m = fabsf(x[0]);  // fabsf, not abs_f: folds into the max instruction
+  for (int i = 1; i < kBlockElems; ++i) m = fmaxf(m, fabsf(x[i]));
+#else
   float m = abs_f(x[0]);
-  for (int i = 1; i < kBlockElems; ++i) m = fmaxf(m, abs_f(x[i]));
+  for (int i = 1; i < kBlockElems; ++i) m = max_num(m, abs_f(x[i]));
+#endif
   return m;
 }
 
@@ -216,12 +240,24 @@ struct BlockScale {
   float out_scale;  // multiplier applied to each element before e2m1 rounding
 };
 
+// The global store factor g = 1/scale and its reciprocal 1/g, each a correctly rounded
+// division; computed once per (layer, side), used by every block.
+struct StoreFactor {
+  float g;
+  float inv_g;
+};
+
+NVFP4_HD StoreFactor store_factor(float scale) {
+  const float g = div_rn(1.0f, scale);
+  return {g, div_rn(1.0f, g)};
+}
+
 // Spec §2 steps 2-4 for one candidate denominator (given as its float32 reciprocal).
-NVFP4_HD BlockScale block_scale(float amax, float g, float recip_denominator) {
-  const float sf = mul_rn(g, mul_rn(amax, recip_denominator));
+NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominator) {
+  const float sf = mul_rn(f.g, mul_rn(amax, recip_denominator));
   const uint8_t byte = e4m3_encode(sf);
   const float sfq = e4m3_decode(byte);
-  const float out_scale = sfq != 0.0f ? div_rn(1.0f, mul_rn(sfq, div_rn(1.0f, g))) : 0.0f;
+  const float out_scale = sfq != 0.0f ? div_rn(1.0f, mul_rn(sfq, f.inv_g)) : 0.0f;
   return {byte, out_scale};
 }
 
@@ -245,21 +281,24 @@ NVFP4_HD float block_error(const float* x, float out_scale) {
   return err;
 }
 
-// Quantises x[0..15] with the global store factor g = 1/k_scale: writes 8 packed bytes
-// (element 2k in the low nibble of byte k) and returns the e4m3 scale byte.
-NVFP4_HD uint8_t quantize_block(const float* x, float g, ScaleSearch search, uint8_t* packed) {
+// Quantises x[0..15] with the global store factor g = 1/k_scale: returns the e4m3 scale byte
+// and the 8 packed bytes as two little-endian words (element 2k in the low nibble of byte k).
+struct QuantizedBlock {
+  uint8_t scale;
+  uint32_t packed[2];
+};
+
+NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
   const float amax = block_amax(x);
-  BlockScale chosen = block_scale(amax, g, kRecip6);
+  BlockScale chosen = block_scale(amax, f, kRecip6);
   if (search == ScaleSearch::k4Over6) {
-    const BlockScale four = block_scale(amax, g, kRecip4);
+    const BlockScale four = block_scale(amax, f, kRecip4);
     if (block_error(x, four.out_scale) < block_error(x, chosen.out_scale)) chosen = four;
   }
-  for (int k = 0; k < kBlockBytes; ++k) {
-    const uint8_t lo = e2m1_code(x[2 * k], chosen.out_scale);
-    const uint8_t hi = e2m1_code(x[2 * k + 1], chosen.out_scale);
-    packed[k] = uint8_t(lo | (hi << 4));
-  }
-  return chosen.byte;
+  QuantizedBlock q{chosen.byte, {0u, 0u}};
+  for (int i = 0; i < kBlockElems; ++i)
+    q.packed[i / 8] |= uint32_t(e2m1_code(x[i], chosen.out_scale)) << (4 * (i % 8));
+  return q;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -2,18 +2,49 @@
 // machine can run and test the exact arithmetic, not for speed.
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+#include <xmmintrin.h>
+#endif
+
 #include "store_ffi.h"
 #include "store_handlers.h"
 
 namespace nvfp4 {
 namespace {
 
+// Float32 subnormals flush to zero as inputs and results (nvfp4_numerics.h): set the CPU's
+// flush-to-zero and denormals-are-zero modes for the duration of a call, whatever the caller
+// (XLA sets them already; a standalone caller may not), and restore them after.
+class FlushDenormalsScope {
+ public:
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+  FlushDenormalsScope() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFtz | kDaz); }
+  ~FlushDenormalsScope() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFtz = 0x8000, kDaz = 0x0040;
+  unsigned saved_;
+#elif defined(__aarch64__)
+  FlushDenormalsScope() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    asm volatile("msr fpcr, %0" : : "r"(saved_ | kFz));
+  }
+  ~FlushDenormalsScope() { asm volatile("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  static constexpr uint64_t kFz = uint64_t(1) << 24;  // FZ flushes inputs and results
+  uint64_t saved_;
+#else
+#error "jax_nvfp4: set flush-to-zero for this CPU architecture in FlushDenormalsScope"
+#endif
+};
+
 void StoreAll(const StoreProblem& p) {
   const int64_t num_heads = p.page.num_kv_heads;
   const int64_t blocks_per_head = p.page.head_size / kBlockElems;
   for (int64_t layer = 0; layer < p.num_layers; ++layer) {
     for (int side = 0; side < 2; ++side) {
-      const float g = p.store_factor(layer, side);
+      const StoreFactor factor = p.factor(layer, side);
       const uint16_t* src = static_cast<const uint16_t*>(side == 0 ? p.key : p.value);
       for (int64_t token = 0; token < p.num_tokens; ++token) {
         const int64_t slot = p.valid_slot(layer, token);
@@ -26,8 +57,10 @@ void StoreAll(const StoreProblem& p) {
             const BlockPlacement at =
                 place_block(p, layer, slot / p.page.block_size,
                             int32_t(slot % p.page.block_size), side, head, int32_t(b));
-            p.kv_cache[at.scale] =
-                quantize_block(x, g, p.scale_search, p.kv_cache + at.data);
+            const QuantizedBlock q = quantize_block(x, factor, p.scale_search);
+            for (int k = 0; k < kBlockBytes; ++k)
+              p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
+            p.kv_cache[at.scale] = q.scale;
           }
         }
       }
@@ -46,6 +79,7 @@ ffi::Error StoreCpu(ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::Buffer<ffi::U
   // XLA aliases the result to kv_cache; should it ever hand over two buffers, start from a copy.
   if (kv_cache.untyped_data() != kv_cache_out->untyped_data())
     std::memcpy(kv_cache_out->untyped_data(), kv_cache.untyped_data(), kv_cache.size_bytes());
+  const FlushDenormalsScope flush_denormals;
   StoreAll(p);
   return ffi::Error::Success();
 }

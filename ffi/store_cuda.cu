@@ -12,6 +12,8 @@ namespace nvfp4 {
 namespace {
 
 constexpr int kThreadsPerBlock = 256;
+// Four CTAs of 256 threads per SM (64 registers a thread): enough warps to hide load latency.
+constexpr int kMinBlocksPerSm = 4;
 
 // Division by a divisor fixed at launch, as a multiply-high and a shift (Granlund-Montgomery):
 // 32-bit integer division is a long instruction sequence on the GPU and the kernel needs
@@ -46,18 +48,26 @@ struct WorkShape {
   FastDivmod block_size;
 };
 
-// One thread quantises one 16-element block. Consecutive threads take consecutive blocks of a
-// head vector, then heads, then K/V, then tokens, so the loads (32 bytes a thread) and the
-// packed stores (8 bytes a thread) are contiguous across a warp. Work items and slots are
-// below 2^31 (the handler checks), so all index arithmetic is 32-bit.
-template <bool kIsF16>
-__global__ void __launch_bounds__(kThreadsPerBlock)
+// One thread quantises kBlocks consecutive 16-element blocks of one head vector. Consecutive
+// threads take consecutive block groups of a head vector, then heads, then K/V, then tokens,
+// so the loads (16 bytes each) and the packed stores are contiguous across a warp. Work items
+// and slots are below 2^31 (the handler checks), so index arithmetic is 32-bit.
+template <bool kIsF16, int kBlocks>
+__global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
                 bool aligned_data) {
+  // g = 1/scale and its use in every block: one division per CTA when all layers share the
+  // scales (the common case), not one per thread.
+  __shared__ StoreFactor shared_factor[2];
+  const bool shared_scales = p.scales_layer_stride == 0;
+  if (shared_scales) {
+    if (threadIdx.x < 2) shared_factor[threadIdx.x] = p.factor(0, int(threadIdx.x));
+    __syncthreads();
+  }
   for (uint32_t work = blockIdx.x * blockDim.x + threadIdx.x; work < num_work;
        work += gridDim.x * blockDim.x) {
-    uint32_t b, head, token;
-    uint32_t rest = shape.blocks_per_head.divmod(work, &b);
+    uint32_t group, head, token;
+    uint32_t rest = shape.blocks_per_head.divmod(work, &group);
     rest = shape.num_kv_heads.divmod(rest, &head);
     const int side = int(rest & 1u);
     const uint32_t layer = shape.num_tokens.divmod(rest >> 1, &token);
@@ -66,36 +76,54 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     if (slot < 0) continue;
     uint32_t row;
     const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
+    const StoreFactor factor = shared_scales ? shared_factor[side] : p.factor(layer, side);
 
-    const uint16_t* src = static_cast<const uint16_t*>(side == 0 ? p.key : p.value) +
-                          p.input_offset(layer, token, head, b);
-    // 32 bytes per block, 32-byte aligned: two 16-byte loads that bypass L1.
-    const uint4 lo = __ldg(reinterpret_cast<const uint4*>(src));
-    const uint4 hi = __ldg(reinterpret_cast<const uint4*>(src) + 1);
-    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    float x[kBlockElems];
+    const uint32_t first = group * kBlocks;
+    const uint4* src = reinterpret_cast<const uint4*>(
+        static_cast<const uint16_t*>(side == 0 ? p.key : p.value) +
+        p.input_offset(layer, token, head, first));
+    // 32 bytes per block, 32-byte aligned: all loads issued before any use.
+    uint4 in[2 * kBlocks];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
-      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
-    }
+    for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
 
-    uint8_t packed[kBlockBytes];
-    const uint8_t scale = quantize_block(x, p.store_factor(layer, side), p.scale_search, packed);
-    const BlockPlacement at = place_block(p, layer, block, int32_t(row), side, head, int32_t(b));
-    if (aligned_data) {
-      uint2 v;
-      v.x = uint32_t(packed[0]) | uint32_t(packed[1]) << 8 | uint32_t(packed[2]) << 16 |
-            uint32_t(packed[3]) << 24;
-      v.y = uint32_t(packed[4]) | uint32_t(packed[5]) << 8 | uint32_t(packed[6]) << 16 |
-            uint32_t(packed[7]) << 24;
-      *reinterpret_cast<uint2*>(p.kv_cache + at.data) = v;
-    } else {
 #pragma unroll
-      for (int k = 0; k < kBlockBytes; ++k) p.kv_cache[at.data + k] = packed[k];
+    for (int blk = 0; blk < kBlocks; ++blk) {
+      const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
+                                 in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
+                                 in[2 * blk + 1].z, in[2 * blk + 1].w};
+      float x[kBlockElems];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
+        x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
+      }
+      const QuantizedBlock q = quantize_block(x, factor, p.scale_search);
+      const BlockPlacement at =
+          place_block(p, layer, block, int32_t(row), side, head, int32_t(first + blk));
+      if (aligned_data) {
+        *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kBlockBytes; ++k)
+          p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
+      }
+      p.kv_cache[at.scale] = q.scale;
     }
-    p.kv_cache[at.scale] = scale;
   }
+}
+
+template <bool kIsF16, int kBlocks>
+void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
+            bool aligned_data) {
+  const int64_t num_work = num_blocks_total / kBlocks;
+  const WorkShape shape{FastDivmod(uint32_t(p.page.head_size / kBlockElems / kBlocks)),
+                        FastDivmod(uint32_t(p.page.num_kv_heads)),
+                        FastDivmod(uint32_t(p.num_tokens)),
+                        FastDivmod(uint32_t(p.page.block_size))};
+  const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
+  StoreKernel<kIsF16, kBlocks>
+      <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), aligned_data);
 }
 
 ffi::Error CudaError(const char* what, cudaError_t error) {
@@ -119,25 +147,24 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
                         kv_cache.size_bytes(), cudaMemcpyDeviceToDevice, stream);
     if (copied != cudaSuccess) return CudaError("copying kv_cache", copied);
   }
-  const int64_t num_work =
+  const int64_t num_blocks_total =
       p.num_layers * p.num_tokens * 2 * p.page.num_kv_heads * (p.page.head_size / kBlockElems);
-  if (num_work == 0) return ffi::Error::Success();
+  if (num_blocks_total == 0) return ffi::Error::Success();
   constexpr int64_t kIndexLimit = int64_t(1) << 31;
-  if (num_work >= kIndexLimit || p.num_blocks * p.page.block_size >= kIndexLimit)
+  if (num_blocks_total >= kIndexLimit || p.num_blocks * p.page.block_size >= kIndexLimit)
     return InvalidArgument("more than 2^31 blocks of 16 values or cache slots in one call");
-  const WorkShape shape{FastDivmod(uint32_t(p.page.head_size / kBlockElems)),
-                        FastDivmod(uint32_t(p.page.num_kv_heads)),
-                        FastDivmod(uint32_t(p.num_tokens)),
-                        FastDivmod(uint32_t(p.page.block_size))};
-  const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
   // 8-byte stores need every page side to start 8-byte aligned.
   const bool aligned_data = p.page.side_bytes() % kBlockBytes == 0;
-  if (p.is_f16)
-    StoreKernel<true><<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work),
-                                                             aligned_data);
-  else
-    StoreKernel<false><<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work),
-                                                              aligned_data);
+  // Two blocks a thread where a head vector has an even number of them: more loads in flight
+  // and the index arithmetic shared.
+  const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0;
+  if (p.is_f16) {
+    if (pairs) Launch<true, 2>(stream, p, num_blocks_total, aligned_data);
+    else Launch<true, 1>(stream, p, num_blocks_total, aligned_data);
+  } else {
+    if (pairs) Launch<false, 2>(stream, p, num_blocks_total, aligned_data);
+    else Launch<false, 1>(stream, p, num_blocks_total, aligned_data);
+  }
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) return CudaError("kernel launch", launched);
   return ffi::Error::Success();

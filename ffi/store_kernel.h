@@ -39,10 +39,10 @@ struct StoreProblem {
     return (slot < 0 || slot >= num_blocks * page.block_size) ? -1 : slot;
   }
 
-  // g = 1/scale, a correctly rounded float32 division (spec §2).
-  NVFP4_HD float store_factor(int64_t layer, int side) const {
+  // g = 1/scale and 1/g (spec §2) for one layer's K (side 0) or V (side 1).
+  NVFP4_HD StoreFactor factor(int64_t layer, int side) const {
     const float* scale = side == 0 ? k_scale : v_scale;
-    return div_rn(1.0f, scale[layer * scales_layer_stride]);
+    return store_factor(scale[layer * scales_layer_stride]);
   }
 
   // First input element of block b of (layer, token, head) of side 0 (K) or 1 (V).

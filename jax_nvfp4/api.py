@@ -30,6 +30,13 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     cache donated (``donate_argnums``) the update happens in place and costs O(num_tokens).
     Without donation XLA first copies the cache.
 
+    Under a multi-device ``jit`` the store runs per shard, in place and with no collective,
+    when the cache is sharded along its ``num_blocks`` axis or a leading stacked axis (layers
+    under ``vmap``, head groups of :func:`jax_nvfp4.sharding.reshape_and_cache_grouped`, the
+    tensor-parallel form). A page holds all heads' data and then all heads' scales, so the head
+    axis of a plain cache cannot be split: a cache (or any operand) sharded along another axis
+    is gathered first: correct, not fast. See :mod:`jax_nvfp4.sharding`.
+
     Args:
       key, value: ``[num_tokens, num_kv_heads, head_size]``, bfloat16 or float16, same dtype.
         head_size must be a multiple of 16 (of 64 with ``v_scale_swizzle=True``).

@@ -2,7 +2,9 @@
 
 The primitive ``nvfp4_reshape_and_cache`` takes (key, value, kv_cache, slot_mapping, k_scale,
 v_scale) and returns the updated cache. Its lowering is an XLA FFI custom call whose result is
-aliased to the ``kv_cache`` operand, so with the cache donated XLA updates it in place.
+aliased to the ``kv_cache`` operand, so with the cache donated XLA updates it in place. Under a
+multi-device jit that call is wrapped in custom partitioning (sharding.py) so that each device
+runs it on its own shard.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from jax.interpreters import ad, batching, mlir
 from . import _ffi
 from . import checks
 from . import layout as _layout
+from . import sharding as _sharding
 
 #: Name of the FFI target (same string as ffi/store_ffi.h).
 STORE_TARGET = _ffi.STORE_TARGET
@@ -62,8 +65,15 @@ def _ffi_attributes(layout, scale_search, v_scale_swizzle):
 
 _ffi_rule = jax.ffi.ffi_lowering(STORE_TARGET, operand_output_aliases={CACHE_OPERAND: 0})
 
+# The FFI call itself, on whatever shapes it is given (the whole arrays on one device, one
+# shard's arrays under a partitioned jit). Only ``store_p``'s lowering binds it.
+local_store_p = Primitive("nvfp4_reshape_and_cache_local")
+local_store_p.def_abstract_eval(
+    lambda key, value, kv_cache, *args, **params: kv_cache.update(shape=kv_cache.shape,
+                                                                  dtype=kv_cache.dtype))
 
-def _lowering(ctx, *args, layout, scale_search, v_scale_swizzle):
+
+def _ffi_lowering(ctx, *args, layout, scale_search, v_scale_swizzle):
     return _ffi_rule(ctx, *args, **_ffi_attributes(layout, scale_search, v_scale_swizzle))
 
 
@@ -73,9 +83,36 @@ def _missing_cuda_lowering(ctx, *args, **params):
         "Reinstall it where a CUDA compiler is found (see README: 'Installing for GPUs').")
 
 
+mlir.register_lowering(local_store_p, _ffi_lowering, platform="cpu")
+mlir.register_lowering(local_store_p,
+                       _ffi_lowering if _ffi.built_with_cuda() else _missing_cuda_lowering,
+                       platform="cuda")
+
+
+def _bind_local(*args, **params):
+    return local_store_p.bind(*args, **params)
+
+
+def _lowering(ctx, *args, layout, scale_search, v_scale_swizzle):
+    """The FFI call under custom partitioning (sharding.py): on one device (or inside
+    shard_map) that is the bare call; under a sharded jit each device stores its own layers
+    (or head groups) and pages in place, and operands sharded along any other axis are
+    gathered first. Applied here rather than at bind so that vmap re-enters it."""
+    partitioned = _sharding.partitioned_store(_bind_local)
+    fun = lambda *a: partitioned(*a, layout, scale_search, v_scale_swizzle)
+    return mlir.lower_fun(fun, multiple_results=False)(ctx, *args)
+
+
 mlir.register_lowering(store_p, _lowering, platform="cpu")
 mlir.register_lowering(store_p, _lowering if _ffi.built_with_cuda() else _missing_cuda_lowering,
                        platform="cuda")
+# Like custom_partitioning's own primitive: lower with the device assignment known.
+try:
+    from jax._src import dispatch as _dispatch
+
+    _dispatch.prim_requires_devices_during_lowering.add(store_p)
+except (ImportError, AttributeError):  # private API; only AOT lowering without devices needs it
+    pass
 
 
 def _jvp(primals, tangents, **params):
@@ -92,12 +129,18 @@ def _batch(args, dims, *, layout, scale_search, v_scale_swizzle):
     """vmap over stacked layers: one launch for all of them, the cache updated in place.
 
     Key, value and cache get a leading batch axis of size B (an unbatched cache is broadcast:
-    each member then updates its own copy, which is what vmap means). Slots and scales stay
-    shared when no member differs, else they get one row per member. A call that already
-    carries a layer axis L (nested vmap) folds B and L into one axis: a free reshape.
+    each member then updates its own copy, which is what vmap means; a cache batched along
+    another axis is transposed: a copy). Slots and scales stay shared when no member differs,
+    else they get one row per member (both scales, when either differs: the kernel reads them
+    with one stride). With the cache batched along axis 0 the single launch updates it in place.
+
+    A call that already carries a layer axis L (nested vmap) folds B and L into one axis. That
+    reshape is free in memory, but XLA's copy insertion does not see through a reshape of the
+    aliased operand: a nested vmap copies the cache once in and once out (measured; the
+    handler would need to accept several leading axes to avoid it).
     """
     key, value, kv_cache, slot_mapping, k_scale, v_scale = args
-    not_mapped = batching.not_mapped
+    not_mapped = None  # what vmap passes for an unbatched argument
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
     layered = len(key.shape) - (dims[0] is not not_mapped) == 4
 
@@ -132,6 +175,10 @@ def _batch(args, dims, *, layout, scale_search, v_scale_swizzle):
         return s.reshape(-1)
 
     k_scale, v_scale = scales(k_scale, dims[4]), scales(v_scale, dims[5])
+    # The kernel reads both scales with one stride: one per layer for both, or one for all.
+    if k_scale.size != v_scale.size:
+        k_scale, v_scale = (jnp.broadcast_to(s.reshape(-1), (max(k_scale.size, v_scale.size),))
+                            for s in (k_scale, v_scale))
     if layered:
         key, value, kv_cache = (x.reshape((-1,) + x.shape[2:]) for x in (key, value, kv_cache))
     out = store_p.bind(key, value, kv_cache, slot_mapping, k_scale, v_scale, layout=layout,

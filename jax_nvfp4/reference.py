@@ -1,7 +1,8 @@
 """Pure-jnp reference of the store and its reader: the authority for the kernels' bytes.
 
 Run it on the CPU to get the bytes the kernels must produce (spec §3a: on a GPU, XLA may keep
-excess precision in places this code cannot see). Every float32 operation whose rounding the
+excess precision in places this code cannot see, and it does not flush float32 subnormals to
+zero as XLA:CPU and both kernels do; see ffi/nvfp4_numerics.h). Every float32 operation whose rounding the
 spec fixes is kept apart from its neighbours (``_rounded``) because XLA contracts ``a*b + c``
 into a fused multiply-add; E4M3 bytes are decoded through a table rather than a float8 round
 trip that XLA may delete.
@@ -73,12 +74,12 @@ def _block_amax(x):
     return jnp.where(jnp.all(nan, axis=-1), jnp.float32(jnp.nan), m)
 
 
-def _block_scale(amax, g, recip):
+def _block_scale(amax, g, inv_g, recip):
     sf = g * (amax * recip)
     byte = e4m3_encode(sf)
     sfq = e4m3_decode(byte)
     safe = jnp.where(sfq != 0, sfq, jnp.float32(1))
-    out_scale = jnp.where(sfq != 0, jnp.float32(1) / (safe * (jnp.float32(1) / g)), jnp.float32(0))
+    out_scale = jnp.where(sfq != 0, jnp.float32(1) / (safe * inv_g), jnp.float32(0))
     return byte, out_scale
 
 
@@ -97,15 +98,26 @@ def _block_error(x, out_scale):
     return err
 
 
-def quantize_blocks(x, g, scale_search="default"):
-    """Quantises x [..., 16] (float32) with g = 1/scale (spec §2, §3).
+def store_factor(scale):
+    """g = 1/scale and 1/g, each a correctly rounded float32 division (spec §2).
+
+    Both are kept apart (``_rounded``): XLA simplifies ``1/(1/s)`` to ``s`` otherwise, which
+    is not the same float32 number.
+    """
+    g = _rounded(jnp.float32(1) / _scalar(scale))
+    return g, _rounded(jnp.float32(1) / g)
+
+
+def quantize_blocks(x, scale, scale_search="default"):
+    """Quantises x [..., 16] (float32) for the global scale ``scale`` (spec §2, §3).
 
     Returns (codes uint8 [..., 16] with the sign in bit 3, scale bytes uint8 [...]).
     """
+    g, inv_g = store_factor(scale)
     amax = _block_amax(x)
-    byte, out_scale = _block_scale(amax, g, _RECIP6)
+    byte, out_scale = _block_scale(amax, g, inv_g, _RECIP6)
     if scale_search == "4over6":
-        byte4, out4 = _block_scale(amax, g, _RECIP4)
+        byte4, out4 = _block_scale(amax, g, inv_g, _RECIP4)
         take4 = _block_error(x, out4) < _block_error(x, out_scale)
         byte = jnp.where(take4, byte4, byte)
         out_scale = jnp.where(take4, out4, out_scale)
@@ -130,8 +142,7 @@ def _scalar(s):
 def quantize_head_vectors(x, scale, scale_search="default"):
     """[..., head_size] bf16/fp16 -> (packed [..., head_size/2], scale bytes [..., head_size/16])."""
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // _BLOCK, _BLOCK)
-    g = jnp.float32(1) / _scalar(scale)
-    codes, scales = quantize_blocks(xf, g, scale_search)
+    codes, scales = quantize_blocks(xf, scale, scale_search)
     return pack_codes(codes).reshape(*x.shape[:-1], x.shape[-1] // 2), scales
 
 
