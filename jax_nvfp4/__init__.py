@@ -6,8 +6,9 @@ The store is an XLA FFI kernel (CPU and CUDA) updating the cache in place.
 """
 
 from .api import allocate_kv_cache, dequantize, reshape_and_cache, slot_mapping_problems
+from .attention import paged_attention, paged_attention_bf16
 from .layout import LAYOUTS, SCALE_SEARCHES, head_bytes, kv_cache_shape
-from . import reference
+from . import reference, sharding
 
 __all__ = [
     "LAYOUTS",
@@ -16,8 +17,11 @@ __all__ = [
     "dequantize",
     "head_bytes",
     "kv_cache_shape",
+    "paged_attention",
+    "paged_attention_bf16",
     "reference",
     "reshape_and_cache",
+    "sharding",
     "slot_mapping_problems",
 ]
 __version__ = "0.1.0"
