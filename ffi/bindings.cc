@@ -38,6 +38,10 @@ NB_MODULE(_ffi, m) {
     }
     return mismatches;
   }, "Self-check of the numerics header (slow: every non-negative float).");
+#if defined(JAX_NVFP4_WITH_CUDA)
+  m.def("_e2m1_code_mismatches_cuda", &nvfp4::E2m1CodeMismatchesCuda,
+        "The self-check above on the current GPU (-1 if CUDA failed).");
+#endif
   m.def("built_with_cuda", []() {
 #if defined(JAX_NVFP4_WITH_CUDA)
     return true;

@@ -97,7 +97,9 @@ NVFP4_HD float abs_f(float x) { return bits_float(float_bits(x) & 0x7FFFFFFFu); 
 NVFP4_HD float bf16_bits_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
 NVFP4_HD float f16_bits_to_float(uint16_t h) {
 #if defined(__CUDA_ARCH__)
-  return __half2float(__ushort_as_half(h));  // exact, one instruction
+  // Exact; the hardware conversion returns a canonical (positive) NaN, so put the sign back:
+  // a code's sign bit is the input's (spec §2 step 5), NaNs included.
+  return bits_float(float_bits(__half2float(__ushort_as_half(h))) | (uint32_t(h & 0x8000u) << 16));
 #else
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
@@ -135,17 +137,23 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
 // RNE(z) for 0 <= z <= 4 is the low bits of z + 2^23, computed as one correctly rounded
 // operation: z = a * 2^(1-k) is exact, so mul-then-add here equals the device's fused multiply-add.
 NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
+#if defined(__CUDA_ARCH__)
+  // fminf(|y|, 6) is one instruction with the |.| folded in, and returns 6 for NaN.
+  const float a = fminf(fabsf(y), 6.0f);
+  const uint32_t e = float_bits(fmaxf(a, 1.0f)) >> 23;
+#else
   // min(|y|, 6) on the bits: non-negative floats order as integers, and NaN (above +Inf) -> 6.
   const uint32_t u = float_bits(y) & 0x7FFFFFFFu;
-  const uint32_t a_bits = u < 0x40C00000u ? u : 0x40C00000u;
-  // e = 127 + k: the biased exponent of a, at least that of 1.
-  const uint32_t e = (a_bits >> 23) > 127u ? (a_bits >> 23) : 127u;
+  const float a = bits_float(u < 0x40C00000u ? u : 0x40C00000u);
+  const uint32_t e = (float_bits(a) >> 23) > 127u ? (float_bits(a) >> 23) : 127u;
+#endif
+  // e = 127 + k: the biased exponent of max(a, 1).
   const float step_inverse = bits_float((255u << 23) - (e << 23));  // 2^(1-k)
   const float magic = bits_float(0x4B000000u - 2u * 127u + 2u * e);  // 2^23 + 2k
 #if defined(__CUDA_ARCH__)
-  const float rounded = __fmaf_rn(bits_float(a_bits), step_inverse, magic);
+  const float rounded = __fmaf_rn(a, step_inverse, magic);
 #else
-  const float rounded = add_rn(mul_rn(bits_float(a_bits), step_inverse), magic);
+  const float rounded = add_rn(mul_rn(a, step_inverse), magic);
 #endif
   return float_bits(rounded) & 7u;
 }

@@ -52,7 +52,7 @@ struct WorkShape {
 // threads take consecutive block groups of a head vector, then heads, then K/V, then tokens,
 // so the loads (16 bytes each) and the packed stores are contiguous across a warp. Work items
 // and slots are below 2^31 (the handler checks), so index arithmetic is 32-bit.
-template <bool kIsF16, int kBlocks>
+template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
                 bool aligned_data) {
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
         x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
         x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
       }
-      const QuantizedBlock q = quantize_block(x, factor, p.scale_search);
+      const QuantizedBlock q = quantize_block(x, factor, kSearch);
       const BlockPlacement at =
           place_block(p, layer, block, int32_t(row), side, head, int32_t(first + blk));
       if (aligned_data) {
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinBlocksPerSm)
   }
 }
 
-template <bool kIsF16, int kBlocks>
+template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
             bool aligned_data) {
   const int64_t num_work = num_blocks_total / kBlocks;
@@ -122,8 +122,18 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.num_tokens)),
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
-  StoreKernel<kIsF16, kBlocks>
+  StoreKernel<kIsF16, kBlocks, kSearch>
       <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), aligned_data);
+}
+
+// The dtype, the blocks per thread and the scale search are compile-time in the kernel.
+template <bool kIsF16, int kBlocks>
+void LaunchForSearch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
+                     bool aligned_data) {
+  if (p.scale_search == ScaleSearch::k4Over6)
+    Launch<kIsF16, kBlocks, ScaleSearch::k4Over6>(stream, p, num_blocks_total, aligned_data);
+  else
+    Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, aligned_data);
 }
 
 ffi::Error CudaError(const char* what, cudaError_t error) {
@@ -159,18 +169,43 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   // and the index arithmetic shared.
   const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0;
   if (p.is_f16) {
-    if (pairs) Launch<true, 2>(stream, p, num_blocks_total, aligned_data);
-    else Launch<true, 1>(stream, p, num_blocks_total, aligned_data);
+    if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, aligned_data);
+    else LaunchForSearch<true, 1>(stream, p, num_blocks_total, aligned_data);
   } else {
-    if (pairs) Launch<false, 2>(stream, p, num_blocks_total, aligned_data);
-    else Launch<false, 1>(stream, p, num_blocks_total, aligned_data);
+    if (pairs) LaunchForSearch<false, 2>(stream, p, num_blocks_total, aligned_data);
+    else LaunchForSearch<false, 1>(stream, p, num_blocks_total, aligned_data);
   }
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) return CudaError("kernel launch", launched);
   return ffi::Error::Success();
 }
 
+__global__ void E2m1SelfCheckKernel(unsigned long long* mismatches) {
+  unsigned long long local = 0;
+  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull;
+       u += uint64_t(gridDim.x) * blockDim.x) {
+    const float y = bits_float(uint32_t(u));
+    local += e2m1_magnitude_code(y) != e2m1_magnitude_code_ladder(abs_f(y));
+  }
+  atomicAdd(mismatches, local);
+}
+
 }  // namespace
+
+int64_t E2m1CodeMismatchesCuda() {
+  unsigned long long* count = nullptr;
+  if (cudaMalloc(&count, sizeof(*count)) != cudaSuccess) return -1;
+  unsigned long long host = 0;
+  bool ok = cudaMemset(count, 0, sizeof(*count)) == cudaSuccess;
+  if (ok) {
+    E2m1SelfCheckKernel<<<1024, kThreadsPerBlock>>>(count);
+    ok = cudaGetLastError() == cudaSuccess &&
+         cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+  cudaFree(count);
+  return ok ? int64_t(host) : -1;
+}
+
 }  // namespace nvfp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

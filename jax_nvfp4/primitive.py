@@ -17,7 +17,16 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from . import _ffi
+try:
+    from . import _ffi
+except ImportError as error:  # pragma: no cover - depends on how the package was installed
+    import os as _os
+
+    raise ImportError(
+        f"jax_nvfp4's compiled extension (_ffi) is missing from {_os.path.dirname(__file__)}. "
+        "This is the source tree, not the installed package: run from another directory (or "
+        "use `pytest`, not `python -m pytest`, in the repository root), or install in place "
+        "with `pip install -e .`.") from error
 from . import checks
 from . import layout as _layout
 from . import sharding as _sharding

@@ -336,3 +336,82 @@ def layer_slots(slot_mapping, layer, num_blocks: int, block_size: int):
     shifted = slot_mapping + jnp.asarray(layer, dtype) * jnp.asarray(per_layer, dtype)
     valid = (slot_mapping >= 0) & (slot_mapping < per_layer)
     return jnp.where(valid, shifted, jnp.asarray(-1, dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention over the head-grouped cache (tensor parallelism).
+
+
+def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *,
+                            layout="HND", v_scale_swizzle=True, sm_scale=None):
+    """:func:`jax_nvfp4.paged_attention` over a head-grouped cache: one call per group.
+
+    Group ``g`` of the cache holds kv heads ``g*H/G .. (g+1)*H/G - 1``; query head ``i``
+    belongs to group ``i // (num_q_heads / G)``, which are exactly the query heads that
+    grouped-query attention maps to those kv heads (query head ``i`` uses kv head
+    ``i // (num_q_heads / H)``). So the result is the same as ``paged_attention`` over the
+    plain cache holding the same K/V, and every group's attention reads only its own cache.
+
+    It is ``jax.vmap`` of ``paged_attention`` over the group axis of the cache and of ``q``
+    split into ``[G, batch, num_q_heads/G, head_size]`` (:func:`split_heads`); the groups'
+    outputs are merged back with the heads in order (:func:`merge_heads`). Under ``jit`` with
+    the cache sharded along axis 0 and ``q`` along its head axis over the same mesh axis (whose
+    size divides G), with block_tables, seq_lens and the scales replicated, each device attends
+    with its own groups: no collective and no copy of the cache; the output is sharded along
+    its head axis.
+
+    Args:
+      q: ``[batch, num_q_heads, head_size]``, bfloat16, float16 or float32; ``num_q_heads`` a
+        multiple of the cache's total ``num_kv_heads = G * (num_kv_heads / G)``.
+      kv_cache: ``uint8`` ``[G, ...]`` of :func:`grouped_kv_cache_shape` for ``layout``, as
+        written by :func:`reshape_and_cache_grouped`.
+      block_tables, seq_lens: as for ``paged_attention`` (shared by the groups).
+      k_scale, v_scale: the float32 scalars the cache was written with (shared by the groups,
+        as :func:`reshape_and_cache_grouped` uses them).
+      layout, v_scale_swizzle, sm_scale: as for ``paged_attention``.
+
+    Returns:
+      ``[batch, num_q_heads, head_size]`` in q's dtype, heads in order.
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the offending argument.
+    """
+    from . import attention as _attention
+    from . import checks as _checks
+    import numpy as _np
+
+    batch, num_q_heads, head_size = _attention._check_q(q)
+    if not hasattr(kv_cache, "dtype"):
+        kv_cache = jnp.asarray(kv_cache)
+    if kv_cache.ndim != 6:
+        raise ValueError(f"kv_cache must be a grouped cache [G, num_blocks, 2, ...] of rank 6 "
+                         f"(grouped_kv_cache_shape), got shape {tuple(kv_cache.shape)}")
+    if not isinstance(v_scale_swizzle, (bool, _np.bool_)):
+        raise TypeError(f"v_scale_swizzle must be a bool, got {v_scale_swizzle!r}")
+    num_groups = kv_cache.shape[0]
+    if num_groups == 0:
+        raise ValueError(f"kv_cache has no groups (axis 0 is 0), shape {tuple(kv_cache.shape)}")
+    # One group's cache (its shape and dtype); errors name it kv_cache[g].
+    geo = _checks.check_kv_cache(jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype),
+                                 layout, v_scale_swizzle, argument="kv_cache[g]")
+    num_kv_heads = num_groups * geo.num_kv_heads
+    if head_size != geo.head_size:
+        raise ValueError(f"q head_size {head_size} does not match kv_cache head_size "
+                         f"{geo.head_size}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q num_q_heads {num_q_heads} must be a multiple of kv_cache's "
+                         f"num_kv_heads {num_kv_heads} ({num_groups} groups of "
+                         f"{geo.num_kv_heads}; grouped-query attention)")
+    block_tables, seq_lens = _attention._check_tables(block_tables, seq_lens, batch)
+    k_scale = _attention._scale(k_scale, "k_scale")
+    v_scale = _attention._scale(v_scale, "v_scale")
+    sm_scale = _attention._sm_scale(sm_scale, head_size)
+
+    def attend_group(q_g, cache_g):
+        return _attention.paged_attention(q_g, cache_g, block_tables, seq_lens, k_scale,
+                                          v_scale, layout=layout,
+                                          v_scale_swizzle=bool(v_scale_swizzle),
+                                          sm_scale=sm_scale)
+
+    out = jax.vmap(attend_group)(split_heads(q, num_groups), kv_cache)  # [G, B, Q/G, D]
+    return merge_heads(out)
