@@ -12,11 +12,6 @@ from . import reference as _reference
 from .primitive import store_p
 
 
-def _as_scale(s, argument):
-    s = jnp.asarray(s, dtype=jnp.float32) if not hasattr(s, "dtype") else s
-    return s
-
-
 def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layout="HND",
                       scale_search="default", v_scale_swizzle=True, checked=False):
     """Quantises key/value to NVFP4 and writes them into their slots of a paged cache.
@@ -60,8 +55,7 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
-    k_scale = _as_scale(k_scale, "k_scale")
-    v_scale = _as_scale(v_scale, "v_scale")
+    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     # Validate here too so that errors point at the caller's line, not into the primitive.
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                                   layout=layout, scale_search=scale_search,
@@ -126,6 +120,5 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
     Returns:
       ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_size]`` in ``dtype``.
     """
-    return _reference.dequantize(kv_cache, _as_scale(k_scale, "k_scale"),
-                                 _as_scale(v_scale, "v_scale"), layout=layout,
+    return _reference.dequantize(kv_cache, k_scale, v_scale, layout=layout,
                                  v_scale_swizzle=v_scale_swizzle, dtype=dtype)

@@ -196,7 +196,7 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
         raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
                          f"{max_blocks} column(s)")
 
-    pages = kv_cache.reshape(geo.num_blocks, 2, geo.side_bytes)
+    pages = geo.pages(kv_cache)
     pages = pages[_gather_index(block_tables, geo.num_blocks)]     # [B, M, 2, side_bytes]
     k, v = _reference.dequantize_pages(pages, geo, k_scale, v_scale,
                                        v_scale_swizzle=bool(v_scale_swizzle), dtype=jnp.float32)

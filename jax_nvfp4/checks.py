@@ -72,13 +72,9 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
         raise ValueError(f"slot_mapping must have shape [num_tokens] = ({num_tokens},), "
                          f"got {slot_shape}")
 
-    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if _dtype_name(s.dtype) != "float32":
-            raise TypeError(f"{name} must be float32, got {_dtype_name(s.dtype)}")
-        allowed = ((), (1,)) + (((num_layers,),) if lead else ())
-        if tuple(s.shape) not in allowed:
-            raise ValueError(f"{name} must be a float32 scalar of shape () or (1,), "
-                             f"got shape {tuple(s.shape)}")
+    layer_shapes = ((num_layers,),) if lead else ()
+    check_scale(k_scale, "k_scale", layer_shapes)
+    check_scale(v_scale, "v_scale", layer_shapes)
     return geometry
 
 
@@ -92,7 +88,18 @@ def check_kv_cache(kv_cache, layout, v_scale_swizzle, argument="kv_cache"):
     return geometry
 
 
-def check_scale(s, argument):
-    if _dtype_name(s.dtype) != "float32" or tuple(s.shape) not in ((), (1,)):
-        raise TypeError(f"{argument} must be a float32 scalar of shape () or (1,), "
-                        f"got {_dtype_name(s.dtype)}{list(s.shape)}")
+def as_scale(s):
+    """A Python number becomes a float32 scalar; arrays are left for check_scale as they are."""
+    import jax.numpy as jnp
+
+    return s if hasattr(s, "dtype") else jnp.asarray(s, dtype=jnp.float32)
+
+
+def check_scale(s, argument, extra_shapes=()):
+    """A global scale: float32 (TypeError otherwise) of shape () or (1,) (ValueError otherwise;
+    ``extra_shapes`` admits more, e.g. one scale per layer)."""
+    if _dtype_name(s.dtype) != "float32":
+        raise TypeError(f"{argument} must be float32, got {_dtype_name(s.dtype)}")
+    if tuple(s.shape) not in ((), (1,)) + tuple(extra_shapes):
+        raise ValueError(f"{argument} must be a float32 scalar of shape () or (1,), "
+                         f"got shape {tuple(s.shape)}")

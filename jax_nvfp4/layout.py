@@ -139,6 +139,11 @@ class CacheGeometry:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    def pages(self, kv_cache):
+        """The cache viewed as ``[num_blocks, 2, side bytes]``: how every reader and writer
+        addresses it (a reshape, free)."""
+        return kv_cache.reshape(self.num_blocks, 2, self.side_bytes)
+
     def shape(self) -> tuple[int, ...]:
         return kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size,
                               self.layout)

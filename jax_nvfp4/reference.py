@@ -150,8 +150,7 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
                       scale_search="default", v_scale_swizzle=True):
     """jnp twin of :func:`jax_nvfp4.reshape_and_cache` (same signature, same bytes)."""
     key, value, kv_cache, slot_mapping = map(jnp.asarray, (key, value, kv_cache, slot_mapping))
-    k_scale = jnp.asarray(k_scale, jnp.float32)
-    v_scale = jnp.asarray(v_scale, jnp.float32)
+    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                                   layout=layout, scale_search=scale_search,
                                   v_scale_swizzle=v_scale_swizzle)
@@ -161,7 +160,7 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     block = jnp.where(valid, slots // geo.block_size, geo.num_blocks).astype(jnp.int32)
     row = jnp.where(valid, slots % geo.block_size, 0).astype(jnp.int32)
 
-    pages = kv_cache.reshape(geo.num_blocks, 2, geo.side_bytes)
+    pages = geo.pages(kv_cache)
     data_offsets = jnp.asarray(geo.data_offsets(), jnp.int32)          # [H, T, D/2]
     tok_data = jnp.moveaxis(data_offsets[:, row], 1, 0)                # [tokens, H, D/2]
     for side, (x, scale) in enumerate(((key, k_scale), (value, v_scale))):
@@ -197,6 +196,9 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
     """Reads a whole cache back: (k, v), each [num_blocks, block_size, num_kv_heads, head_size]."""
     kv_cache = jnp.asarray(kv_cache)
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
-    pages = kv_cache.reshape(geo.num_blocks, 2, geo.side_bytes)
+    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    checks.check_scale(k_scale, "k_scale")
+    checks.check_scale(v_scale, "v_scale")
+    pages = geo.pages(kv_cache)
     return dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=v_scale_swizzle,
                             dtype=dtype)

@@ -293,8 +293,7 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
     if key.ndim != 3 or key.shape[1] % num_groups:
         raise ValueError(f"key must be [num_tokens, num_kv_heads, head_size] with num_kv_heads a "
                          f"multiple of the cache's {num_groups} groups, got {tuple(key.shape)}")
-    k_scale = api._as_scale(k_scale, "k_scale")
-    v_scale = api._as_scale(v_scale, "v_scale")
+    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     if checked:
         geometry = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
         api._check_slots(slot_mapping, geometry.num_slots)

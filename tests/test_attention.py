@@ -340,7 +340,7 @@ def _valid_args():
     (dict(block_tables=jnp.zeros((2, 2), jnp.int32)), ValueError, "block_tables must have shape"),
     (dict(seq_lens=jnp.ones((3, 1), jnp.int32)), ValueError, "seq_lens must have shape"),
     (dict(seq_lens=jnp.ones((3,), jnp.float32)), TypeError, "seq_lens must be"),
-    (dict(k_scale=jnp.ones((2,), jnp.float32)), TypeError, "k_scale"),
+    (dict(k_scale=jnp.ones((2,), jnp.float32)), ValueError, "k_scale"),
     (dict(v_scale=jnp.float16(1)), TypeError, "v_scale"),
 ])
 def test_argument_errors(change, error, match):
