@@ -67,6 +67,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import checks
 from . import layout as _layout
 
 #: Factors a store can be split along with no communication.
@@ -376,7 +377,6 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
       TypeError, ValueError: at trace time, naming the offending argument.
     """
     from . import attention as _attention
-    from . import checks as _checks
     import numpy as _np
 
     batch, num_q_heads, head_size = _attention._check_q(q)
@@ -391,7 +391,7 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     if num_groups == 0:
         raise ValueError(f"kv_cache has no groups (axis 0 is 0), shape {tuple(kv_cache.shape)}")
     # One group's cache (its shape and dtype); errors name it kv_cache[g].
-    geo = _checks.check_kv_cache(jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype),
+    geo = checks.check_kv_cache(jax.ShapeDtypeStruct(kv_cache.shape[1:], kv_cache.dtype),
                                  layout, v_scale_swizzle, argument="kv_cache[g]")
     num_kv_heads = num_groups * geo.num_kv_heads
     if head_size != geo.head_size:

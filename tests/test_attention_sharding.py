@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
+
+import hlo_checks as hc
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 128, 16
 #: ragged: one token, block_size - 1, block_size, several pages
@@ -137,41 +138,12 @@ def _assert_close(out, ref):
 
 
 # ---------------------------------------------------------------------------------------------
-# Reading the compiled HLO (as tests/test_sharding.py does).
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\(")
-_COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
-                "collective-broadcast", "ragged-all-to-all")
-# Ops that may produce a cache-sized uint8 array without copying its bytes.
-_NO_COPY = ("parameter", "custom-call", "bitcast", "get-tuple-element", "tuple", "while",
-            "conditional", "call", "opt-barrier")
-
-
-def _instructions(hlo):
-    for line in hlo.splitlines():
-        m = _INSTRUCTION.match(line)
-        if m:
-            yield m.group(2), m.group(1), line
-
-
-def hlo_report(hlo, cache_shapes):
-    """(collective opcodes, ops writing a uint8 array with as many bytes as a cache in
-    ``cache_shapes`` (global or per-device) other than in place, store custom calls).
-
-    The reader's page gather produces uint8 arrays too, of ``batch * max_blocks`` pages: the
-    cases keep that different from ``num_blocks`` so a gather is never mistaken for a copy."""
-    sizes = {math.prod(s) for s in cache_shapes}
-    collectives, copies, stores = [], [], []
-    for opcode, type_text, line in _instructions(hlo):
-        if opcode.startswith(_COLLECTIVES):
-            collectives.append(opcode)
-        u8 = [math.prod(int(d) for d in dims.split(",") if d)
-              for dims in re.findall(r"u8\[([\d,]*)\]", type_text)]
-        if opcode not in _NO_COPY and sizes.intersection(u8):
-            copies.append((opcode, type_text))
-        if opcode == "custom-call" and "jax_nvfp4_reshape_and_cache" in line:
-            stores.append(line)
-    return collectives, copies, stores
+# Reading the compiled HLO (tests/hlo_checks.py).
+#
+# The reader's page gather produces uint8 arrays too (of rank >= 5), of ``batch * max_blocks``
+# pages: a copy of the cache is an op other than in place writing as many bytes as a cache
+# (global or per device), and the cases keep ``batch * max_blocks`` different from
+# ``num_blocks`` so a gather is never mistaken for a copy.
 
 
 def _local(shape, spec, mesh):
@@ -222,7 +194,7 @@ def test_grouped_sharded_no_collectives(count, groups, layout):
     case = Case(seed=200 + 10 * count + groups + (layout == "NHD"), ratio=4)
     cache = case.grouped_cache(groups, layout)
     args = case.attention_args(cache)
-    assert len(case.lens) * case.tables.shape[1] != case.num_blocks   # see hlo_report
+    assert len(case.lens) * case.tables.shape[1] != case.num_blocks   # see hlo_checks above
     fn = functools.partial(shd.paged_attention_grouped, layout=layout)
     placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, ATTENTION_SPECS)]
     f = jax.jit(fn)
@@ -230,12 +202,13 @@ def test_grouped_sharded_no_collectives(count, groups, layout):
     out = f(*placed)
     _assert_close(out, _on_device0(fn, *args))
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 3)
-    collectives, copies, _ = hlo_report(hlo, [cache.shape, _local(cache.shape, P("tp"), mesh)])
-    assert collectives == [], collectives
+    local = _local(cache.shape, P("tp"), mesh)
+    assert hc.collectives(hlo) == [], hc.collectives(hlo)
+    copies = hc.cache_copies(hlo, [cache.shape, local])
     assert copies == [], copies
     # Each device reads its own groups' cache, a parameter of the per-device shape.
-    local = _local(cache.shape, P("tp"), mesh)
-    assert re.search(r"u8\[" + ",".join(map(str, local)) + r"\]\S* parameter\(", hlo)
+    assert any(i.opcode == "parameter" and i.u8_arrays == [local]
+               for i in hc.instructions(hlo)), local
 
 
 # The new token of every sequence is its last position (seq_lens count it).
@@ -281,15 +254,10 @@ def test_decode_step_in_place(count, groups, layout):
     _assert_close(out, full)
     assert new_cache.sharding.is_equivalent_to(NamedSharding(mesh, P("tp")), 6)
 
+    # One aliased store on the per-device cache; output 1 (the cache) is the donated
+    # argument 3.
     local = _local(cache.shape, P("tp"), mesh)
-    collectives, copies, stores = hlo_report(hlo, [cache.shape, local])
-    assert collectives == [], collectives
-    assert copies == [], copies
-    assert len(stores) == 1, stores
-    assert f"u8[{','.join(map(str, local))}]" in stores[0].split("custom-call(")[0]
-    assert "output_to_operand_aliasing={{}: (2, {})}" in stores[0]
-    header = hlo.splitlines()[0]
-    assert re.search(r"input_output_alias=\{ \{1\}: \(3, \{\}", header), header
+    hc.assert_in_place(hlo, local, aliases={(1,): 3}, cache_shapes=[cache.shape, local])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,9 +292,8 @@ def test_plain_cache_head_sharded(count, layout):
     hlo = f.lower(*placed).compile().as_text()
     out = f(*placed)
     _assert_close(out, _on_device0(fn, *args))
-    collectives, _, _ = hlo_report(hlo, [cache.shape])
     # Documented above, not asserted: XLA is free to choose how it communicates.
-    print(f"{layout} x{count}: {dict(collections.Counter(collectives))}")
+    print(f"{layout} x{count}: {dict(collections.Counter(hc.collectives(hlo)))}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,7 +322,7 @@ def test_grouped_errors():
         attend(q, cache, tables[:1], lens, ks, vs)
     with pytest.raises(TypeError, match="seq_lens must be an integer array"):
         attend(q, cache, tables, lens.astype(np.float32), ks, vs)
-    with pytest.raises(TypeError, match="k_scale must be a float32 scalar"):
+    with pytest.raises(ValueError, match="k_scale must be a float32 scalar"):
         attend(q, cache, tables, lens, np.ones(2, np.float32), vs)
     with pytest.raises(TypeError, match="v_scale_swizzle must be a bool"):
         attend(q, cache, tables, lens, ks, vs, v_scale_swizzle=1)

@@ -6,7 +6,6 @@ not differentiable, and says so."""
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -15,40 +14,11 @@ import pytest
 
 import jax_nvfp4
 
+import hlo_checks as hc
 import store_cases as sc
 
 PLATFORMS = ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)]
 CACHE_OPERAND = 2
-
-_INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>\w+)\[(?P<dims>[\d,]*)\]\S*\s+"
-    r"(?P<opcode>[\w\-]+)\(")
-
-
-def instructions(hlo_text):
-    """(name, element type, dims tuple, opcode, line) of every HLO instruction."""
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.match(line)
-        if m:
-            dims = tuple(int(d) for d in m["dims"].split(",") if d)
-            yield m["name"], m["type"], dims, m["opcode"], line
-
-
-def cache_copies(hlo_text, cache_shape):
-    """Instructions that copy a whole cache: a copy/copy-start of the cache's u8 shape, or a
-    fusion of that shape that is a copy (XLA names those copy*)."""
-    found = []
-    for name, etype, dims, opcode, line in instructions(hlo_text):
-        if etype != "u8" or dims != tuple(cache_shape):
-            continue
-        if opcode in ("copy", "copy-start") or (opcode == "fusion" and "copy" in name):
-            found.append(line.strip())
-    return found
-
-
-def store_calls(hlo_text):
-    return [line for *_, line in instructions(hlo_text)
-            if "custom-call(" in line and "jax_nvfp4_reshape_and_cache" in line]
 
 
 def compiled_text(case, platform, donate):
@@ -64,29 +34,15 @@ def _case(layout="HND"):
                         layout=layout)
 
 
-def test_helpers_parse_hlo():
-    text = """
-  %p = u8[4,2,2,16,72]{4,3,2,1,0} parameter(0)
-  %copy.2 = u8[4,2,2,16,72]{4,3,2,1,0} copy(%p)
-  %copy.3 = u8[4,2,2,16,73]{4,3,2,1,0} copy(%p)
-  %copy_fusion = u8[4,2,2,16,72]{4,3,2,1,0} fusion(%p), kind=kLoop, calls=%fused_copy
-  ROOT %nvfp4 = u8[4,2,2,16,72]{4,3,2,1,0} custom-call(%a, %b, %copy.2), custom_call_target="jax_nvfp4_reshape_and_cache"
-"""
-    assert len(cache_copies(text, (4, 2, 2, 16, 72))) == 2
-    assert len(store_calls(text)) == 1
-
-
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_donated_store_has_no_cache_copy(platform, layout):
     case = _case(layout)
     text = compiled_text(case, platform, donate=True)
-    assert cache_copies(text, case.cache.shape) == [], cache_copies(text, case.cache.shape)
-    calls = store_calls(text)
-    assert len(calls) == 1, text
-    assert "output_to_operand_aliasing={{}: (2, {})}" in calls[0], calls[0]
-    header = text.splitlines()[0] if text.startswith("HloModule") else text
-    assert re.search(r"input_output_alias=\{ ?\{\}: \(2, \{\}", header), header
+    # No copy (any op but the store writing as many bytes as the cache), one aliased store
+    # on the cache, the cache argument aliased to the result.
+    hc.assert_in_place(text, case.cache.shape, aliases={(): CACHE_OPERAND},
+                       cache_shapes=[case.cache.shape])
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -94,11 +50,15 @@ def test_without_donation_the_cache_is_copied(platform):
     """The contrast: the same checks fail when the cache is not donated."""
     case = _case()
     text = compiled_text(case, platform, donate=False)
-    assert len(cache_copies(text, case.cache.shape)) >= 1, text
-    header = text.splitlines()[0]
+    assert len(hc.cache_copies(text, [case.cache.shape])) >= 1, text
+    header = hc.module_header(text)
     assert "input_output_alias" not in header, header
+    assert hc.input_output_aliases(text) == {}
     # The custom call still aliases its operand: to the copy.
-    assert "output_to_operand_aliasing" in store_calls(text)[0]
+    (call,) = hc.store_calls(text)
+    assert hc.is_aliased(call), call.line
+    with pytest.raises(AssertionError):
+        hc.assert_in_place(text, case.cache.shape, cache_shapes=[case.cache.shape])
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -146,9 +106,9 @@ def test_donated_store_of_two_layers_in_one_jit():
 
     args = (a.cache, b.cache, a.key, a.value, a.slot_mapping, a.k_scale, a.v_scale)
     text = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile().as_text()
-    assert cache_copies(text, a.cache.shape) == []
-    assert len(store_calls(text)) == 2
-    assert "input_output_alias" in text.splitlines()[0]
+    # Outputs 0 and 1 are the donated parameters 0 and 1; two aliased stores, no copy.
+    hc.assert_in_place(text, a.cache.shape, num_stores=2, aliases={(0,): 0, (1,): 1},
+                       cache_shapes=[a.cache.shape])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hlo_checks as hc
+
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "paged_decode.py"
 
 # 2 layers, GQA 4 (8 q heads, 2 kv heads of 64), block_size 8; prompts of length 3, block_size - 1,
@@ -73,6 +75,29 @@ def test_caches_donated_and_updated_in_place(results):
     # ... and no copy of a cache-shaped array appears in the HLO (without donation the NVFP4
     # step has one copy of the cache per layer before the aliased store).
     assert results["hlo_cache_copies"] == {"bf16": 0, "nvfp4": 0}
+
+
+def test_nvfp4_step_hlo_in_place(example):
+    """The example counts only ``copy`` ops of a cache's exact type (it must run without the
+    tests folder); tests/hlo_checks.py reads its compiled NVFP4 decode step fully: no op but
+    the stores writes as many bytes as a cache (no copy, copy-start/done or fusion), one
+    aliased store per layer, each layer's cache output aliased to its donated parameter."""
+    cfg = example.parse_args(TINY)
+    params = example.init_params(cfg)
+    num_blocks, max_blocks = 13, 4                      # the step compiles for any sizes
+    assert cfg.batch * max_blocks != num_blocks         # a page gather is no cache copy
+    caches = example.allocate_caches(cfg, "nvfp4", num_blocks)
+    scales = tuple((jnp.float32(0.01), jnp.float32(0.02)) for _ in range(cfg.layers))
+    step = example.make_decode_step(cfg, "nvfp4", {"nvfp4": 0})
+    batch = cfg.batch
+    hlo = step.lower(params, caches, scales, jnp.zeros(batch, jnp.int32),
+                     jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch, max_blocks), jnp.int32),
+                     jnp.ones(batch, jnp.int32)).compile().as_text()
+    # Outputs (tokens, logits, cache_0, ..., cache_{L-1}); parameters: params' leaves, caches.
+    first = len(jax.tree.leaves(params))
+    hc.assert_in_place(hlo, caches[0].shape, num_stores=cfg.layers,
+                       aliases={(2 + l,): first + l for l in range(cfg.layers)},
+                       cache_shapes=[caches[0].shape])
 
 
 def test_cache_sizes(results):

@@ -7,12 +7,15 @@ CPU devices of conftest.py. Cases needing more devices than there are are skippe
 Why the plain cache's head axis is not one of those: a page holds all heads' FP4 data, then all
 heads' scales (spec §4), so a shard of the head axis does not hold whole heads
 (``test_head_axis_does_not_split_a_page``). Tensor parallelism uses the head-grouped cache.
+
+In place (``hlo_checks.assert_in_place``): no collective, no op but the store (or XLA:GPU's
+dynamic-slice fusion of it) writing a uint8 array of rank >= 5, one store on the per-shard
+cache, aliased to the donated cache argument.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
 from jax_nvfp4.layout import CacheGeometry
+
+import hlo_checks as hc
 
 NUM_TOKENS, NUM_HEADS, HEAD_SIZE, NUM_BLOCKS, BLOCK_SIZE = 24, 8, 128, 8, 16
 LAYOUTS = ("HND", "NHD")
@@ -83,56 +88,6 @@ def _run_sharded(fn, mesh, specs, args, *, donate=2):
     hlo = f.lower(*placed()).compile().as_text()
     out = f(*placed())
     return np.asarray(out), out.sharding, hlo
-
-
-# ---------------------------------------------------------------------------------------------
-# Reading the compiled HLO.
-
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\(")
-_COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
-                "collective-broadcast", "ragged-all-to-all")
-# What may produce a cache-sized uint8 array without touching its bytes.
-_NO_COPY = ("parameter", "custom-call", "bitcast", "get-tuple-element", "tuple", "while",
-            "conditional", "call", "opt-barrier")
-
-
-def _instructions(hlo):
-    for line in hlo.splitlines():
-        m = _INSTRUCTION.match(line)
-        if m:
-            yield m.group(2), m.group(1), line
-
-
-def _u8_arrays(type_text):
-    """Dims of every uint8 array of rank >= 5 (a cache) in an HLO result type."""
-    return [tuple(int(d) for d in dims.split(","))
-            for dims in re.findall(r"u8\[([\d,]+)\]", type_text) if dims.count(",") >= 4]
-
-
-def hlo_report(hlo):
-    """(collective ops, ops writing a cache-sized uint8 array other than in place, store calls)."""
-    collectives, cache_ops, stores = [], [], []
-    for opcode, type_text, line in _instructions(hlo):
-        if opcode.startswith(_COLLECTIVES):
-            collectives.append(opcode)
-        if _u8_arrays(type_text) and opcode not in _NO_COPY:
-            cache_ops.append((opcode, type_text))
-        if opcode == "custom-call" and "jax_nvfp4_reshape_and_cache" in line:
-            stores.append(line)
-    return collectives, cache_ops, stores
-
-
-def assert_in_place(hlo, local_cache_shape, cache_arg=2):
-    """No collective, no copy of the cache, one store on the per-shard cache, aliased to the
-    donated cache argument."""
-    collectives, cache_ops, stores = hlo_report(hlo)
-    assert collectives == [], collectives
-    assert cache_ops == [], cache_ops
-    assert len(stores) == 1, stores
-    assert f"u8[{','.join(map(str, local_cache_shape))}]" in stores[0].split("custom-call(")[0]
-    assert "output_to_operand_aliasing={{}: (2, {})}" in stores[0]
-    header = hlo.splitlines()[0]
-    assert re.search(r"input_output_alias=\{ \{\}: \(" + str(cache_arg) + r", \{\}", header), header
 
 
 def _local(shape, spec, mesh):
@@ -212,7 +167,7 @@ def test_grouped_cache_head_sharded_in_place(layout, count, groups):
     out, sharding, hlo = _run_sharded(store, mesh, specs, args)
     np.testing.assert_array_equal(out, _single_device(store, *args))
     assert sharding.is_equivalent_to(NamedSharding(mesh, P("tp")), len(shape))
-    assert_in_place(hlo, _local(shape, P("tp"), mesh))
+    hc.assert_in_place(hlo, _local(shape, P("tp"), mesh))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,7 +184,7 @@ def test_blocks_sharded_in_place(layout, count):
     out, sharding, hlo = _run_sharded(store, mesh, specs, args)
     np.testing.assert_array_equal(out, _single_device(store, *args))
     assert sharding.is_equivalent_to(NamedSharding(mesh, P("pages")), 5)
-    assert_in_place(hlo, _local(args[2].shape, P("pages"), mesh))
+    hc.assert_in_place(hlo, _local(args[2].shape, P("pages"), mesh))
 
 
 def test_blocks_and_groups_on_a_2d_mesh():
@@ -241,7 +196,7 @@ def test_blocks_and_groups_on_a_2d_mesh():
     specs = (P(None, "tp"), P(None, "tp"), spec, P(), P(), P())
     out, _, hlo = _run_sharded(_grouped_store("HND"), mesh, specs, args)
     np.testing.assert_array_equal(out, _single_device(_grouped_store("HND"), *args))
-    assert_in_place(hlo, _local(shape, spec, mesh))
+    hc.assert_in_place(hlo, _local(shape, spec, mesh))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +269,7 @@ def test_gspmd_partitioner(gspmd, case):
     out, _, hlo = _run_sharded(store, mesh, specs, args)
     np.testing.assert_array_equal(out, _single_device(store, *args))
     if case in ("grouped", "blocks"):
-        assert_in_place(hlo, _local(args[2].shape, specs[2], mesh))
+        hc.assert_in_place(hlo, _local(args[2].shape, specs[2], mesh))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -334,7 +289,7 @@ def test_vmap_over_layers_sharded_along_layers(count):
     single = functools.partial(nv.reshape_and_cache, layout=layout)
     for l in range(layers):
         np.testing.assert_array_equal(out[l], _single_device(single, *[s[l] for s in stacked]))
-    assert_in_place(hlo, _local(stacked[2].shape, spec, mesh))
+    hc.assert_in_place(hlo, _local(stacked[2].shape, spec, mesh))
 
 
 def test_scan_over_layers_grouped_page_pool():
@@ -360,7 +315,7 @@ def test_scan_over_layers_grouped_page_pool():
     specs = (P(None, None, "tp"), P(None, None, "tp"), P("tp"), P(), P(), P())
     out, _, hlo = _run_sharded(step, mesh, specs, (key, value, cache, slots, ks, vs))
     np.testing.assert_array_equal(out, _single_device(step, key, value, cache, slots, ks, vs))
-    assert_in_place(hlo, _local(shape, P("tp"), mesh))
+    hc.assert_in_place(hlo, _local(shape, P("tp"), mesh))
 
 
 def test_shard_map_stores_per_device():
@@ -376,7 +331,7 @@ def test_shard_map_stores_per_device():
                        out_specs=spec)
     specs = (P(None, "tp"), P(None, "tp"), spec, P(), P(), P())
     out, _, hlo = _run_sharded(fn, mesh, specs, args)
-    assert_in_place(hlo, _local(args[2].shape, spec, mesh))
+    hc.assert_in_place(hlo, _local(args[2].shape, spec, mesh))
     key, value, cache, slots, ks, vs = args
     per = NUM_HEADS // 2
     grouped = np.stack([cache[:, :, d * per:(d + 1) * per] for d in range(2)])
@@ -396,7 +351,7 @@ def test_explicit_mesh_axes():
         out, sharding, hlo = _run_sharded(_grouped_store("HND"), mesh, specs, args)
     np.testing.assert_array_equal(out, _single_device(_grouped_store("HND"), *args))
     assert sharding.spec[0] == "tp"
-    assert_in_place(hlo, _local(shape, P("tp"), mesh))
+    hc.assert_in_place(hlo, _local(shape, P("tp"), mesh))
 
 
 def test_eager_sharded_call():

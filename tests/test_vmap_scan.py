@@ -7,7 +7,6 @@ Runs on the first GPU where there is one, else on the CPU.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,8 @@ import pytest
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
+
+import hlo_checks as hc
 
 LAYERS, NUM_TOKENS, NUM_HEADS, HEAD_SIZE, NUM_BLOCKS, BLOCK_SIZE = 3, 10, 4, 64, 6, 8
 NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
@@ -77,57 +78,16 @@ def _loop(store, key, value, cache, slots, k_scale, v_scale):
 # ---------------------------------------------------------------------------------------------
 # Reading the compiled HLO.
 
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.+?)\s+([a-z][a-z0-9\-]*)\(")
-_NO_COPY = ("parameter", "custom-call", "bitcast", "get-tuple-element", "tuple", "while",
-            "conditional", "call", "opt-barrier")
-
-
-def _store_fusions(hlo):
-    """Fused computations whose root is the store: XLA:GPU wraps a custom call whose operands
-    are dynamic slices in a ``dynamic-slice-fusion`` (kind=kCustom). The call inside still
-    aliases the cache; the fusion is the store itself, not a copy."""
-    names, current = set(), None
-    for line in hlo.splitlines():
-        header = re.match(r"^%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$", line)
-        if header:
-            current = header.group(1)
-        elif current and line.strip().startswith("ROOT") and "jax_nvfp4_reshape_and_cache" in line:
-            names.add(current)
-    return names
-
-
-def _report(hlo):
-    """(ops writing a cache-sized uint8 array other than in place, the store calls)."""
-    cache_ops, stores = [], []
-    store_fusions = _store_fusions(hlo)
-    for line in hlo.splitlines():
-        m = _INSTRUCTION.match(line)
-        if not m:
-            continue
-        type_text, opcode = m.groups()
-        big_u8 = [d for d in re.findall(r"u8\[([\d,]+)\]", type_text) if d.count(",") >= 4]
-        called = re.search(r"calls=%?([\w.\-]+)", line)
-        if opcode == "fusion" and called and called.group(1) in store_fusions:
-            continue
-        if big_u8 and opcode not in _NO_COPY:
-            cache_ops.append((opcode, type_text))
-        if opcode == "custom-call" and "jax_nvfp4_reshape_and_cache" in line:
-            stores.append(line)
-    return cache_ops, stores
-
-
 def _compiled(fn, args, donate=2):
     return jax.jit(fn, donate_argnums=(donate,)).lower(*_put(*args)).compile().as_text()
 
 
-def assert_one_launch_in_place(hlo, cache_shape, cache_arg=2):
-    cache_ops, stores = _report(hlo)
-    assert cache_ops == [], cache_ops
-    assert len(stores) == 1, stores
-    assert f"u8[{','.join(map(str, cache_shape))}]" in stores[0].split("custom-call(")[0]
-    assert "output_to_operand_aliasing={{}: (2, {})}" in stores[0]
-    header = hlo.splitlines()[0]
-    assert re.search(r"input_output_alias=\{ \{\}: \(" + str(cache_arg) + r", \{\}", header), header
+def assert_one_launch_in_place(hlo, cache_shape):
+    """One store on the whole [L, ...] cache (or page pool), aliased, no copy of the cache
+    (no op but the store writing a uint8 array of rank >= 5; XLA:GPU's dynamic-slice fusion
+    of the store in a scan is the store), the donated cache (argument 2) aliased to the
+    result."""
+    hc.assert_in_place(hlo, cache_shape, aliases={(): 2})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -252,11 +212,12 @@ def test_nested_vmap(sharing):
             expected = one(*_put(key[b, l], value[b, l], cache[b, l], member(slots, b, l, 1),
                                  member(ks, b, l, 0), member(vs, b, l, 0)))
             np.testing.assert_array_equal(out[b, l], np.asarray(expected))
-    _, stores = _report(_compiled(store, args))
+    stores = hc.store_calls(_compiled(store, args))
     # One launch on the folded [B*L, ...] cache. (XLA copies the cache around the folding
     # reshape: see primitive._batch.)
-    assert len(stores) == 1
-    assert f"u8[{outer * LAYERS},{NUM_BLOCKS},2," in stores[0].split("custom-call(")[0]
+    assert len(stores) == 1, stores
+    assert stores[0].type.startswith(f"u8[{outer * LAYERS},{NUM_BLOCKS},2,"), stores[0]
+    assert hc.is_aliased(stores[0]), stores[0].line
 
 
 # ---------------------------------------------------------------------------------------------
