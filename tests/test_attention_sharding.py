@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
+from meshes import DEVICES, make_mesh
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 128, 16
 #: ragged: one token, block_size - 1, block_size, several pages
@@ -46,21 +47,8 @@ LAYOUTS = ("HND", "NHD")
 RTOL = 1e-6
 
 
-def _devices():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    return gpus or jax.devices("cpu")
-
-
-DEVICES = _devices()
-
-
 def _mesh(count):
-    if count > len(DEVICES):
-        pytest.skip(f"needs {count} devices, {len(DEVICES)} available")
-    return Mesh(np.array(DEVICES[:count]), ("tp",))
+    return make_mesh((count,), ("tp",))
 
 
 # ---------------------------------------------------------------------------------------------

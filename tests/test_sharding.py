@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
@@ -34,22 +34,7 @@ LAYOUTS = ("HND", "NHD")
 COUNTS = (2, 4, 8)
 
 
-def _devices():
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    return gpus or jax.devices("cpu")
-
-
-DEVICES = _devices()
-
-
-def _mesh(shape, names):
-    n = int(np.prod(shape))
-    if n > len(DEVICES):
-        pytest.skip(f"needs {n} devices, {len(DEVICES)} available")
-    return Mesh(np.array(DEVICES[:n]).reshape(shape), names)
+from meshes import DEVICES, make_mesh as _mesh  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------
