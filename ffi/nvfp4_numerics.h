@@ -196,7 +196,7 @@ NVFP4_HD uint8_t e4m3_encode(float x) {
 #endif
   const uint32_t subnormal = float_bits(sub) & 0xFu;
   uint32_t code = u < 0x3C800000u ? subnormal : normal;  // 2^-6
-  code = u >= 0x43E00000u ? 0x7Eu : code;                // >= 448, +Inf
+  code = u >= float_bits(kE4M3Max) ? 0x7Eu : code;      // >= 448, +Inf
   code |= (bits >> 24) & 0x80u;
   return uint8_t(u > 0x7F800000u ? uint32_t(kE4M3NaN) : code);
 }

@@ -57,8 +57,11 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
   const int64_t block_size = cache_dims[o + (page_layout == Layout::kHND ? 3 : 2)];
   const int64_t cache_heads = cache_dims[o + (page_layout == Layout::kHND ? 2 : 3)];
   const int64_t head_bytes = head_size / 2 + head_size / kBlockElems;
-  if (head_size % kBlockElems != 0) return InvalidArgument("head_size must be a multiple of 16");
-  if (block_size % 4 != 0) return InvalidArgument("block_size must be a multiple of 4");
+  if (head_size <= 0 || head_size % kBlockElems != 0)
+    return InvalidArgument("head_size must be a positive multiple of 16");
+  if (block_size <= 0 || block_size % 4 != 0)
+    return InvalidArgument("block_size must be a positive multiple of 4");
+  if (num_kv_heads <= 0) return InvalidArgument("num_kv_heads must be positive");
   if (v_scale_swizzle && head_size % 64 != 0)
     return InvalidArgument("swizzled V scales need head_size % 64 == 0");
   if ((layered && cache_dims[0] != p->num_layers) || cache_dims[o + 1] != 2 ||

@@ -27,8 +27,6 @@ struct StoreProblem {
   ScaleSearch scale_search;
 
   NVFP4_HD int64_t layer_cache_bytes() const { return num_blocks * 2 * page.side_bytes(); }
-  NVFP4_HD int64_t head_elems() const { return page.head_size; }
-  NVFP4_HD int64_t token_elems() const { return page.num_kv_heads * page.head_size; }
 
   // Slot of a token, or -1 when nothing may be written for it: negative slots are padding and
   // slots past the cache are skipped (spec §5).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from . import checks
 from . import layout as _layout
@@ -55,6 +54,8 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
+    key, value, kv_cache, slot_mapping = (
+        x if hasattr(x, "dtype") else jnp.asarray(x) for x in (key, value, kv_cache, slot_mapping))
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     # Validate here too so that errors point at the caller's line, not into the primitive.
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,

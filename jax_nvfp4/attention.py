@@ -1,7 +1,7 @@
 """Paged decode attention over an NVFP4 cache (and its bf16-cache twin), in pure jnp.
 
-One query token per sequence (decode). Each sequence reads only its own pages, through its row
-of ``block_tables``; positions at or past its ``seq_len`` are masked. Both readers gather the
+One query token per sequence (decode). Each sequence reads only the pages of its row of
+``block_tables`` (all of that row, padding included); positions at or past its ``seq_len`` are masked. Both readers gather the
 pages, turn them into float32 K/V (:func:`jax_nvfp4.reference.dequantize_pages` for NVFP4, a
 cast for the plain cache) and call the same masked grouped-query softmax attention,
 :func:`attend`, so they differ only in what the cache holds.
@@ -26,18 +26,14 @@ _Q_DTYPES = ("bfloat16", "float16", "float32")
 _CACHE_DTYPES = ("bfloat16", "float16", "float32")
 
 
-def _dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
-
-
 # --------------------------------------------------------------------------- validation
 
 
 def _check_q(q):
     if not hasattr(q, "dtype") or not hasattr(q, "shape"):
         raise TypeError(f"q must be an array, got {type(q).__name__}")
-    if _dtype_name(q.dtype) not in _Q_DTYPES:
-        raise TypeError(f"q must be bfloat16, float16 or float32, got {_dtype_name(q.dtype)}")
+    if checks.dtype_name(q.dtype) not in _Q_DTYPES:
+        raise TypeError(f"q must be bfloat16, float16 or float32, got {checks.dtype_name(q.dtype)}")
     if len(q.shape) != 3:
         raise ValueError(f"q must have shape [batch, num_q_heads, head_size] (one decode token per "
                          f"sequence), got shape {tuple(q.shape)}")
@@ -60,7 +56,7 @@ def _check_tables(block_tables, seq_lens, batch):
     for name, x, rank, what in (("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]"),
                                 ("seq_lens", seq_lens, 1, "[batch]")):
         if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
-            got = _dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
+            got = checks.dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
             raise TypeError(f"{name} must be an integer array (int32), got {got}")
         if len(x.shape) != rank or x.shape[0] != batch:
             raise ValueError(f"{name} must have shape {what} with batch = {batch} (q's batch), "
@@ -69,7 +65,7 @@ def _check_tables(block_tables, seq_lens, batch):
 
 
 def _scale(s, argument):
-    s = s if hasattr(s, "dtype") else jnp.asarray(s, jnp.float32)
+    s = checks.as_scale(s)
     checks.check_scale(s, argument)
     return jnp.reshape(s, ())
 
@@ -146,9 +142,12 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
 
     Sequence ``b`` reads the pages ``block_tables[b, :ceil(seq_lens[b] / block_size)]`` and
     attends to its first ``seq_lens[b]`` positions (position ``t`` lives in page
-    ``block_tables[b, t // block_size]``, row ``t % block_size``). Only those pages are gathered
-    and dequantised (spec §1: ``E2M1 * E4M3 block scale * k_scale``, by
-    :func:`jax_nvfp4.reference.dequantize_pages`); the rest of the cache is not read.
+    ``block_tables[b, t // block_size]``, row ``t % block_size``). The ``max_blocks_per_seq``
+    pages of each row of ``block_tables`` are gathered and dequantised (spec §1:
+    ``E2M1 * E4M3 block scale * k_scale``, by :func:`jax_nvfp4.reference.dequantize_pages`),
+    padding entries included (clamped into range, then masked); no other page is read. The cost
+    of a step is ``batch * max_blocks_per_seq`` pages, whatever ``seq_lens`` says: size the
+    block table to the longest sequence of the batch.
 
     Entries of ``block_tables`` past a sequence's pages are padding and may hold anything
     (``-1``, out-of-range ids, other sequences' pages): they are clamped into range for the
@@ -183,8 +182,7 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     batch, num_q_heads, head_size = _check_q(q)
     if not hasattr(kv_cache, "dtype"):
         kv_cache = jnp.asarray(kv_cache)
-    if not isinstance(v_scale_swizzle, (bool, np.bool_)):
-        raise TypeError(f"v_scale_swizzle must be a bool, got {v_scale_swizzle!r}")
+    checks.check_flag(v_scale_swizzle, "v_scale_swizzle")
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
     _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, batch)
@@ -229,8 +227,8 @@ def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scal
     """
     batch, num_q_heads, head_size = _check_q(q)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not hasattr(c, "dtype") or _dtype_name(c.dtype) not in _CACHE_DTYPES:
-            got = _dtype_name(c.dtype) if hasattr(c, "dtype") else type(c).__name__
+        if not hasattr(c, "dtype") or checks.dtype_name(c.dtype) not in _CACHE_DTYPES:
+            got = checks.dtype_name(c.dtype) if hasattr(c, "dtype") else type(c).__name__
             raise TypeError(f"{name} must be bfloat16, float16 or float32, got {got}")
         if len(c.shape) != 4:
             raise ValueError(f"{name} must have shape [num_blocks, block_size, num_kv_heads, "

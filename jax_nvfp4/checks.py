@@ -10,10 +10,6 @@ from . import layout as _layout
 
 
 
-def _dtype_name(dtype) -> str:
-    return np.dtype(dtype).name
-
-
 _FLOAT_INPUTS = ("bfloat16", "float16")
 _SLOT_DTYPES = ("int32", "int64")
 
@@ -31,26 +27,27 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     """
     _layout.check_layout(layout)
     _layout.check_scale_search(scale_search)
-    if not isinstance(v_scale_swizzle, (bool, np.bool_)):
-        raise TypeError(f"v_scale_swizzle must be a bool, got {v_scale_swizzle!r}")
+    check_flag(v_scale_swizzle, "v_scale_swizzle")
     lead = 0 if num_layers is None else 1
 
     for name, x in (("key", key), ("value", value)):
-        if _dtype_name(x.dtype) not in _FLOAT_INPUTS:
-            raise TypeError(f"{name} must be bfloat16 or float16, got {_dtype_name(x.dtype)}")
+        if dtype_name(x.dtype) not in _FLOAT_INPUTS:
+            raise TypeError(f"{name} must be bfloat16 or float16, got {dtype_name(x.dtype)}")
         if len(x.shape) != 3 + lead:
             raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_size], "
                              f"got shape {tuple(x.shape)}")
     if key.dtype != value.dtype:
-        raise TypeError(f"value must have key's dtype {_dtype_name(key.dtype)}, "
-                        f"got {_dtype_name(value.dtype)}")
+        raise TypeError(f"value must have key's dtype {dtype_name(key.dtype)}, "
+                        f"got {dtype_name(value.dtype)}")
     if tuple(key.shape) != tuple(value.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
     num_tokens, num_kv_heads, head_size = key.shape[lead:]
+    if num_kv_heads <= 0:
+        raise ValueError(f"key must have at least one kv head, got shape {tuple(key.shape)}")
     _layout.check_head_size(head_size, v_scale_swizzle, argument="key head_size")
 
-    if _dtype_name(kv_cache.dtype) != "uint8":
-        raise TypeError(f"kv_cache must be uint8 (see kv_cache_shape), got {_dtype_name(kv_cache.dtype)}")
+    if dtype_name(kv_cache.dtype) != "uint8":
+        raise TypeError(f"kv_cache must be uint8 (see kv_cache_shape), got {dtype_name(kv_cache.dtype)}")
     cache_shape = tuple(kv_cache.shape)
     if len(cache_shape) != 5 + lead:
         raise ValueError(f"kv_cache must have rank 5, {_layout.kv_cache_shape.__name__}(...) for "
@@ -65,8 +62,8 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
             f"kv_cache shape {cache_shape[lead:]} does not match key (num_kv_heads={num_kv_heads}, "
             f"head_size={head_size}): expected {expected} for layout {layout!r}")
 
-    if _dtype_name(slot_mapping.dtype) not in _SLOT_DTYPES:
-        raise TypeError(f"slot_mapping must be int32 or int64, got {_dtype_name(slot_mapping.dtype)}")
+    if dtype_name(slot_mapping.dtype) not in _SLOT_DTYPES:
+        raise TypeError(f"slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")
     slot_shape = tuple(slot_mapping.shape)
     if slot_shape not in ((num_tokens,),) + (((num_layers, num_tokens),) if lead else ()):
         raise ValueError(f"slot_mapping must have shape [num_tokens] = ({num_tokens},), "
@@ -81,11 +78,20 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
 def check_kv_cache(kv_cache, layout, v_scale_swizzle, argument="kv_cache"):
     """Validates a cache on its own (for readers); returns its ``CacheGeometry``."""
     _layout.check_layout(layout)
-    if _dtype_name(kv_cache.dtype) != "uint8":
-        raise TypeError(f"{argument} must be uint8, got {_dtype_name(kv_cache.dtype)}")
+    if dtype_name(kv_cache.dtype) != "uint8":
+        raise TypeError(f"{argument} must be uint8, got {dtype_name(kv_cache.dtype)}")
     geometry = _layout.CacheGeometry.from_shape(kv_cache.shape, layout, argument)
     _layout.check_head_size(geometry.head_size, v_scale_swizzle, argument=f"{argument} head_size")
     return geometry
+
+
+def dtype_name(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def check_flag(value, argument):
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{argument} must be a bool, got {value!r}")
 
 
 def as_scale(s):
@@ -98,8 +104,8 @@ def as_scale(s):
 def check_scale(s, argument, extra_shapes=()):
     """A global scale: float32 (TypeError otherwise) of shape () or (1,) (ValueError otherwise;
     ``extra_shapes`` admits more, e.g. one scale per layer)."""
-    if _dtype_name(s.dtype) != "float32":
-        raise TypeError(f"{argument} must be float32, got {_dtype_name(s.dtype)}")
+    if dtype_name(s.dtype) != "float32":
+        raise TypeError(f"{argument} must be float32, got {dtype_name(s.dtype)}")
     if tuple(s.shape) not in ((), (1,)) + tuple(extra_shapes):
         raise ValueError(f"{argument} must be a float32 scalar of shape () or (1,), "
                          f"got shape {tuple(s.shape)}")

@@ -117,6 +117,8 @@ class CacheGeometry:
             raise ValueError(f"{argument} trailing axis {f} is not head_size/2 + head_size/16 for "
                              f"any head_size (shape {shape})")
         check_block_size(block_size, argument=f"{argument} block_size")
+        if num_kv_heads <= 0:
+            raise ValueError(f"{argument} must have at least one kv head, got shape {shape}")
         return cls(num_blocks, block_size, num_kv_heads, f // 9 * BLOCK_ELEMS, layout)
 
     @property
@@ -143,10 +145,6 @@ class CacheGeometry:
         """The cache viewed as ``[num_blocks, 2, side bytes]``: how every reader and writer
         addresses it (a reshape, free)."""
         return kv_cache.reshape(self.num_blocks, 2, self.side_bytes)
-
-    def shape(self) -> tuple[int, ...]:
-        return kv_cache_shape(self.num_blocks, self.block_size, self.num_kv_heads, self.head_size,
-                              self.layout)
 
     def plane_rows(self) -> np.ndarray:
         """``[num_kv_heads, block_size]``: row of (head, token row) in a head/token plane."""

@@ -9,7 +9,6 @@ runs it on its own shard.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,8 +126,9 @@ except (ImportError, AttributeError):  # private API; only AOT lowering without 
 def _jvp(primals, tangents, **params):
     raise TypeError(
         "jax_nvfp4.reshape_and_cache is not differentiable: it quantises into a uint8 cache. "
-        "Apply jax.lax.stop_gradient to key and value if the store sits inside a differentiated "
-        "function.")
+        "If the store sits inside a differentiated function, apply jax.lax.stop_gradient to "
+        "every float input that carries a tangent: key, value, and k_scale/v_scale when they "
+        "are computed from differentiated values.")
 
 
 ad.primitive_jvps[store_p] = _jvp

@@ -154,9 +154,14 @@ def _entry(axes: tuple[str, ...]):
 
 
 def _plan(layout, shapes, cache_sharding):
-    """PartitionSpecs of the six operands: the cache keeps its layer and blocks sharding and
-    nothing else; the other operands follow it on the factors they share, replicated
-    elsewhere. Returns the specs and the mesh axes of each kept factor."""
+    """PartitionSpecs of the six operands (the GSPMD callbacks): the cache keeps its layer and
+    blocks sharding and nothing else; the other operands follow it on the factors they share,
+    replicated elsewhere. Returns the specs and the mesh axes of each kept factor.
+
+    Under Shardy the sharding rule states the same factors but gives the cache no priority: an
+    operand sharded differently on a shared factor (per-layer slots on another mesh axis than
+    the cache's layer axis, say) can make Shardy reshard the cache (correct bytes, collectives
+    on the cache). Shard the small operands like the cache, or replicate them."""
     operands, _ = _factors(layout, shapes)
     entries = _spec_entries(cache_sharding, len(operands[2]))
     kept = {f: _mesh_axes(e) for f, e in zip(operands[2], entries) if f in SPLITTABLE}
@@ -294,6 +299,8 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
     if key.ndim != 3 or key.shape[1] % num_groups:
         raise ValueError(f"key must be [num_tokens, num_kv_heads, head_size] with num_kv_heads a "
                          f"multiple of the cache's {num_groups} groups, got {tuple(key.shape)}")
+    if tuple(value.shape) != tuple(key.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     if checked:
         geometry = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
@@ -377,7 +384,6 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
       TypeError, ValueError: at trace time, naming the offending argument.
     """
     from . import attention as _attention
-    import numpy as _np
 
     batch, num_q_heads, head_size = _attention._check_q(q)
     if not hasattr(kv_cache, "dtype"):
@@ -385,8 +391,7 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     if kv_cache.ndim != 6:
         raise ValueError(f"kv_cache must be a grouped cache [G, num_blocks, 2, ...] of rank 6 "
                          f"(grouped_kv_cache_shape), got shape {tuple(kv_cache.shape)}")
-    if not isinstance(v_scale_swizzle, (bool, _np.bool_)):
-        raise TypeError(f"v_scale_swizzle must be a bool, got {v_scale_swizzle!r}")
+    checks.check_flag(v_scale_swizzle, "v_scale_swizzle")
     num_groups = kv_cache.shape[0]
     if num_groups == 0:
         raise ValueError(f"kv_cache has no groups (axis 0 is 0), shape {tuple(kv_cache.shape)}")

@@ -295,3 +295,46 @@ def test_slot_mapping_problems_counts():
     with sc.x64():
         s64 = np.array([2**40, 5, 5, -(2**40), 63, 64], np.int64)
         assert tuple(int(c) for c in jax_nvfp4.slot_mapping_problems(s64, 64)) == (2, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The FFI handler's own checks: a call that bypasses the Python validation (a raw
+# jax.ffi.ffi_call) gets an error from the handler, not a write with a degenerate geometry.
+
+def _raw_store(cache_shape, key_shape=(2, 2, 64)):
+    key = jnp.zeros(key_shape, jnp.bfloat16) + 1
+    call = jax.ffi.ffi_call(jax_nvfp4.primitive.STORE_TARGET,
+                            jax.ShapeDtypeStruct(cache_shape, jnp.uint8),
+                            input_output_aliases={2: 0})
+    return call(key, key, jnp.zeros(cache_shape, jnp.uint8), jnp.array([0, 1], jnp.int32),
+                jnp.float32(1), jnp.float32(1), layout=np.int32(0), scale_search=np.int32(0),
+                v_scale_swizzle=True)
+
+
+# (A cache with block_size 0 has no elements; XLA does not run the call at all, so the
+# handler's refusal of it cannot be observed from here.)
+@pytest.mark.parametrize("cache_shape, message", [
+    ((4, 2, 2, 6, 36), "block_size"),        # not a multiple of 4
+    ((4, 2, 3, 4, 36), "kv_cache shape"),    # heads differ from key's
+])
+def test_ffi_handler_refuses_degenerate_geometry(cache_shape, message):
+    with pytest.raises(Exception, match=message):
+        jax.block_until_ready(_raw_store(cache_shape))
+
+
+def test_zero_kv_heads_named():
+    with pytest.raises(ValueError, match="key must have at least one kv head"):
+        jax_nvfp4.reshape_and_cache(jnp.zeros((2, 0, 64), jnp.bfloat16),
+                                    jnp.zeros((2, 0, 64), jnp.bfloat16),
+                                    jnp.zeros((4, 2, 1, 4, 36), jnp.uint8),
+                                    jnp.array([0, 1], jnp.int32), 1.0, 1.0)
+    with pytest.raises(ValueError, match="at least one kv head"):
+        jax_nvfp4.dequantize(jnp.zeros((4, 2, 0, 4, 36), jnp.uint8), 1.0, 1.0)
+
+
+def test_python_sequences_are_accepted_like_arrays():
+    case = _slot_case([3, -1, 7, 0, 15, -5, 1, 2])
+    args = list(case.args())
+    args[3] = [int(s) for s in np.asarray(args[3])]  # slot_mapping as a list
+    out = jax_nvfp4.reshape_and_cache(*args)
+    sc.assert_bytes_equal(np.asarray(out), sc.run_reference(case), "list slot_mapping")
