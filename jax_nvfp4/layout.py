@@ -30,6 +30,14 @@ SCALE_SEARCHES = ("default", "4over6")
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
+#: Names of a per-layer cache's axes, in order, for each layout (spec §4): the one place the
+#: HND/NHD axis order is written down in Python (ffi/store_ffi.h reads the same for C++).
+CACHE_AXES = {
+    "HND": ("blocks", "side", "heads", "rows", "f"),
+    "NHD": ("blocks", "side", "rows", "heads", "f"),
+}
+
+
 def check_layout(layout, argument: str = "layout") -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"{argument} must be one of {LAYOUTS}, got {layout!r}")
@@ -82,10 +90,9 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
     check_head_size(head_size, v_scale_swizzle=False)
     if num_blocks < 0 or num_kv_heads <= 0:
         raise ValueError(f"num_blocks must be >= 0 and num_kv_heads > 0, got {num_blocks}, {num_kv_heads}")
-    f = head_bytes(head_size)
-    if layout == "HND":
-        return (num_blocks, 2, num_kv_heads, block_size, f)
-    return (num_blocks, 2, block_size, num_kv_heads, f)
+    sizes = dict(blocks=num_blocks, side=2, heads=num_kv_heads, rows=block_size,
+                 f=head_bytes(head_size))
+    return tuple(sizes[name] for name in CACHE_AXES[layout])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,10 +115,8 @@ class CacheGeometry:
                 f"{argument} must have rank 5 ([num_blocks, 2, ...] per layer), got shape {shape}")
         if shape[1] != 2:
             raise ValueError(f"{argument} axis 1 must be 2 (K and V), got shape {shape}")
-        if layout == "HND":
-            num_blocks, _, num_kv_heads, block_size, f = shape
-        else:
-            num_blocks, _, block_size, num_kv_heads, f = shape
+        sizes = dict(zip(CACHE_AXES[layout], shape))
+        num_blocks, num_kv_heads, block_size, f = (sizes[n] for n in ("blocks", "heads", "rows", "f"))
         # F = 9 * head_size / 16.
         if f % 9:
             raise ValueError(f"{argument} trailing axis {f} is not head_size/2 + head_size/16 for "

@@ -81,9 +81,7 @@ SPLITTABLE = ("layer", "blocks")
 def _cache_axes(layout: str, layered: bool) -> dict[str, int]:
     """Axis of each named cache axis: layer (if layered), blocks, side, heads, rows, f."""
     o = 1 if layered else 0
-    names = (("blocks", "side", "heads", "rows", "f") if layout == "HND"
-             else ("blocks", "side", "rows", "heads", "f"))
-    axes = {name: o + i for i, name in enumerate(names)}
+    axes = {name: o + i for i, name in enumerate(_layout.CACHE_AXES[layout])}
     if layered:
         axes["layer"] = 0
     return axes
