@@ -12,12 +12,21 @@ The same model runs twice: with the NVFP4 cache (``jax_nvfp4.reshape_and_cache``
 It prints decode throughput, cache sizes, the greedy-token agreement of the two runs and how
 far their logits are apart. Runs on JAX's default device (the GPU when there is one).
 
+With ``--long-context`` it instead times one decode step over caches that already hold
+``--context`` tokens per sequence (default 32 x 32768 tokens, 4 Llama-3-8B-shaped layers:
+32 q / 8 kv heads of 128, page 16): the caches are filled with random valid values on the
+device (no prefill), the block tables are a random permutation of an exactly sized page pool,
+and the NVFP4 step (the fused CUDA kernel on a GPU) is timed against the bf16 one, with cache
+bytes per token and how many more tokens fit in the same memory.
+
     python examples/paged_decode.py
     python examples/paged_decode.py --batch 8 --prompt-lens 5 60 130 --steps 64 --layout NHD
+    python examples/paged_decode.py --long-context --batch 32 --context 32768 --layers 4
 """
 
 import argparse
 import dataclasses
+import functools
 import math
 import re
 import sys
@@ -29,6 +38,8 @@ import numpy as np
 
 import jax_nvfp4
 from jax_nvfp4.attention import paged_attention, paged_attention_bf16
+from jax_nvfp4.attention_primitive import DECODE_TARGET as _DECODE_TARGET
+from jax_nvfp4.attention_primitive import KERNEL_HEAD_SIZES as _KERNEL_HEAD_SIZES
 
 KINDS = ("bf16", "nvfp4")
 
@@ -53,6 +64,19 @@ class Config:
     seed: int = 0
     progress: bool = True
     verbose: bool = True
+    # --long-context mode (see run_long_context): caches pre-filled to ``context`` tokens.
+    long_context: bool = False
+    context: int = 32768                   # tokens already in each sequence's cache
+    repeats: int = 5                       # timings of ``steps`` steps; the median is reported
+    warmup: int = 2                        # untimed steps after compiling
+    nvfp4_jnp: bool = False                # also time the NVFP4 cache with impl="jnp"
+
+
+#: Defaults that --long-context changes: Llama-3-8B-shaped layers (random weights, a small
+#: vocabulary), 32 sequences of 32k tokens. Options given on the command line win.
+LONG_CONTEXT_DEFAULTS = dict(batch=32, context=32768, layers=4, d_model=4096, num_q_heads=32,
+                             num_kv_heads=8, head_size=128, mlp=14336, vocab=32000,
+                             block_size=16, steps=10)
 
 
 # --------------------------------------------------------------------------- block allocator
@@ -238,11 +262,13 @@ def make_prefill_store(cfg, kind):
     return jax.jit(fn, donate_argnums=0)
 
 
-def make_decode_step(cfg, kind, trace_counter):
+def make_decode_step(cfg, kind, trace_counter, impl="auto"):
     """The decode step, compiled once: (params, caches, scales, tokens, slot_mapping,
     block_tables, seq_lens) -> (next tokens, logits, caches). Caches (argument 1) are donated.
 
     ``trace_counter[kind]`` counts how often JAX traces it (once, if nothing recompiles).
+    ``impl`` is the NVFP4 reader's (``paged_attention(impl=...)``): ``"auto"`` runs the fused
+    CUDA kernel on a GPU and the jnp path elsewhere.
     """
 
     def step(params, caches, scales, tokens, slot_mapping, block_tables, seq_lens):
@@ -255,7 +281,7 @@ def make_decode_step(cfg, kind, trace_counter):
             cache = store(cfg, kind, k, v, cache, slot_mapping, scale)
             if kind == "nvfp4":
                 attn = paged_attention(q, cache, block_tables, seq_lens, *scale,
-                                       layout=cfg.layout)
+                                       layout=cfg.layout, impl=impl)
             else:
                 attn = paged_attention_bf16(q, *cache, block_tables, seq_lens)
             new_caches.append(cache)
@@ -281,6 +307,12 @@ def _hlo_shape(x) -> str:
     """How HLO text spells an array's type, e.g. ``u8[24,2,2,16,36]``."""
     names = {"uint8": "u8", "bfloat16": "bf16", "float16": "f16", "float32": "f32"}
     return f"{names[np.dtype(x.dtype).name]}[{','.join(map(str, x.shape))}]"
+
+
+def _hlo_cache_copies(hlo: str, caches) -> int:
+    """``copy`` ops in compiled HLO text whose type is exactly a cache array's."""
+    return sum(len(re.findall(rf"= {re.escape(shape)}\{{[^}}]*\}} copy\(", hlo))
+               for shape in {_hlo_shape(x) for x in jax.tree.leaves(caches)})
 
 
 def cache_bytes(caches) -> int:
@@ -386,8 +418,7 @@ def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, 
     hlo = step.lower(*args).compile().as_text()
     header = hlo.split("\n", 1)[0]
     num_aliased = header.count("may-alias") + header.count("must-alias")
-    cache_copies = sum(len(re.findall(rf"= {re.escape(shape)}\{{[^}}]*\}} copy\(", hlo))
-                       for shape in {_hlo_shape(x) for x in jax.tree.leaves(caches)})
+    cache_copies = _hlo_cache_copies(hlo, caches)
     return dict(
         tokens=np.stack([np.asarray(t) for t in generated], axis=1),     # [B, steps + 1]
         logits=np.stack([np.asarray(x) for x in all_logits], axis=1),    # [B, steps, vocab]
@@ -516,21 +547,317 @@ def report(cfg, r):
     print(f"wall time {r['wall_s']:.1f} s")
 
 
+# --------------------------------------------------------------------------- long-context mode
+
+#: E4M3 block-scale bytes of the random NVFP4 caches: 0x30 (0.5) to 0x58 (16), all finite
+#: (0x7F and 0xFF are NaN).
+RANDOM_SCALE_BYTES = (0x30, 0x58)
+#: k_scale = v_scale of the random NVFP4 caches: |code * block scale * 1/32| <= 6 * 16 / 32 = 3,
+#: about the range of the bf16 caches' standard normals.
+RANDOM_KV_SCALE = 1.0 / 32.0
+#: Variants the long-context mode times: name -> (cache kind, paged_attention impl).
+LONG_CONTEXT_RUNS = {"nvfp4": ("nvfp4", "auto"), "bf16": ("bf16", "auto"),
+                     "nvfp4_jnp": ("nvfp4", "jnp")}
+LONG_CONTEXT_LABELS = {"nvfp4": "nvfp4", "bf16": "bf16", "nvfp4_jnp": "nvfp4 (impl=jnp)"}
+
+
+def bytes_per_token_per_layer(cfg, kind) -> int:
+    """Cache bytes one token takes in one layer, K and V together, from the shapes."""
+    if kind == "nvfp4":
+        return 2 * cfg.num_kv_heads * jax_nvfp4.head_bytes(cfg.head_size)
+    return 2 * cfg.num_kv_heads * cfg.head_size * np.dtype(jnp.bfloat16).itemsize
+
+
+def long_context_plan(cfg, num_new: int, seed: int):
+    """Page pool and per-step inputs: ``cfg.batch`` sequences that hold ``cfg.context`` tokens
+    each, then decode ``num_new`` more.
+
+    Every sequence owns ``ceil((context + num_new) / block_size)`` pages and the pool is exactly
+    ``batch`` times that (the last few pages of each row take the new tokens). The block tables
+    are one random permutation of all pages cut into rows, so a sequence's pages are scattered.
+    Step ``i`` stores the token at position ``context + i`` and attends to ``context + i + 1``.
+
+    Returns ``(num_blocks, block_tables [batch, pages], slots [num_new, batch],
+    seq_lens [num_new, batch])``, NumPy int32.
+    """
+    if cfg.context < 0 or num_new < 1:
+        raise ValueError(f"context must be >= 0 and num_new >= 1, got {cfg.context}, {num_new}")
+    bs = cfg.block_size
+    pages = -(-(cfg.context + num_new) // bs)
+    num_blocks = cfg.batch * pages
+    tables = (np.random.default_rng(seed).permutation(num_blocks)
+              .reshape(cfg.batch, pages).astype(np.int32))
+    pos = cfg.context + np.arange(num_new)                              # [num_new]
+    slots = tables[:, pos // bs].T.astype(np.int64) * bs + (pos % bs)[:, None]
+    lens = np.broadcast_to(pos[:, None] + 1, (num_new, cfg.batch))
+    return num_blocks, tables, slots.astype(np.int32), lens.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_nvfp4_cache(key, shape, layout):
+    geo = jax_nvfp4.layout.CacheGeometry.from_shape(shape, layout)
+    lo, hi = RANDOM_SCALE_BYTES
+    k_codes, k_scales = jax.random.split(key)
+    codes = jax.random.bits(k_codes, (geo.num_blocks, 2, geo.side_data_bytes), jnp.uint8)
+    scales = jax.random.randint(k_scales, (geo.num_blocks, 2, geo.side_bytes - geo.side_data_bytes),
+                                lo, hi + 1, jnp.uint8)
+    return jnp.concatenate([codes, scales], axis=-1).reshape(shape)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _random_bf16_cache(key, shape):
+    return tuple(jax.random.normal(k, shape, jnp.bfloat16) for k in jax.random.split(key))
+
+
+def random_caches(cfg, kind, num_blocks, key):
+    """Per-layer caches full of random valid values, made on the device (no prefill).
+
+    NVFP4: each (page, side) is a region of packed FP4 codes followed by a region of E4M3 block
+    scales (:class:`jax_nvfp4.layout.CacheGeometry`); codes are random bytes (every E2M1 code is
+    a finite value), scales random bytes in ``RANDOM_SCALE_BYTES``. bf16: standard normals
+    (K and V).
+    """
+    keys = jax.random.split(key, cfg.layers)
+    if kind == "nvfp4":
+        shape = jax_nvfp4.kv_cache_shape(num_blocks, cfg.block_size, cfg.num_kv_heads,
+                                         cfg.head_size, cfg.layout)
+        return tuple(_random_nvfp4_cache(k, shape, cfg.layout) for k in keys)
+    shape = (num_blocks, cfg.block_size, cfg.num_kv_heads, cfg.head_size)
+    return tuple(_random_bf16_cache(k, shape) for k in keys)
+
+
+def time_long_context(cfg, kind, params, plan, impl="auto"):
+    """Fills one kind of cache, compiles the decode step and times it. Returns a dict."""
+    num_blocks, tables, slots, lens = plan
+    t0 = time.perf_counter()
+    caches = random_caches(cfg, kind, num_blocks, jax.random.PRNGKey(cfg.seed + 2))
+    jax.block_until_ready(caches)
+    fill_s = time.perf_counter() - t0
+    device = next(iter(jax.tree.leaves(caches)[0].devices()))
+    bpt = bytes_per_token_per_layer(cfg, kind)
+    total_bytes = cache_bytes(caches)
+    if total_bytes != num_blocks * cfg.block_size * cfg.layers * bpt:
+        raise AssertionError(f"{kind} cache holds {total_bytes} bytes, expected "
+                             f"{num_blocks} pages x {cfg.block_size} x {cfg.layers} x {bpt}")
+    if kind == "nvfp4":
+        scale = jnp.asarray(RANDOM_KV_SCALE, jnp.float32)
+        scales = tuple((scale, scale) for _ in range(cfg.layers))
+    else:
+        scales = tuple(() for _ in range(cfg.layers))
+    step = make_decode_step(cfg, kind, {kind: 0}, impl=impl)
+    tokens = jax.random.randint(jax.random.PRNGKey(cfg.seed + 3), (cfg.batch,), 0, cfg.vocab,
+                                jnp.int32)
+    tables_d = jnp.asarray(tables)
+    slots_d = [jnp.asarray(x) for x in slots]           # on the device before timing
+    lens_d = [jnp.asarray(x) for x in lens]
+
+    t0 = time.perf_counter()
+    compiled = step.lower(params, caches, scales, tokens, slots_d[0], tables_d,
+                          lens_d[0]).compile()
+    compile_s = time.perf_counter() - t0
+    hlo = compiled.as_text()
+    kernel_calls = hlo.count(f'custom_call_target="{_DECODE_TARGET}"')
+    cache_copies = _hlo_cache_copies(hlo, caches)
+
+    # Step 0 (warm-up): checks donation and keeps its logits (the same in every NVFP4 run).
+    old = caches
+    tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[0], tables_d,
+                                      lens_d[0])
+    first_logits = np.asarray(logits)
+    donated = all(x.is_deleted() for x in jax.tree.leaves(old))
+    del old
+    i = 1
+    for _ in range(cfg.warmup - 1):
+        tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[i], tables_d,
+                                          lens_d[i])
+        i += 1
+    jax.block_until_ready((tokens, logits, caches))
+
+    times, attended = [], []
+    for _ in range(cfg.repeats):
+        attended.append(lens[i:i + cfg.steps].sum(dtype=np.int64))
+        t0 = time.perf_counter()
+        for _ in range(cfg.steps):
+            tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[i],
+                                              tables_d, lens_d[i])
+            i += 1
+        jax.block_until_ready((tokens, logits, caches))
+        times.append((time.perf_counter() - t0) / cfg.steps)
+    last_logits = np.asarray(logits)
+    del caches
+    step_s = float(np.median(times))
+    # Bytes of the tokens attended to (K and V, all layers) over the time taken: the kernel
+    # reads about this much; the jnp readers gather every page of the block tables.
+    attended_bytes = float(np.mean(attended)) / cfg.steps * cfg.layers * bpt
+    return dict(
+        device=str(device), platform=device.platform, impl=impl,
+        attention_kernel_calls=kernel_calls,
+        attention_path="kernel" if kernel_calls else "jnp",
+        step_ms=1e3 * step_s, step_ms_all=[1e3 * t for t in times],
+        tokens_per_s=cfg.batch / step_s, attended_gb_per_s=attended_bytes / step_s / 1e9,
+        compile_s=compile_s, fill_s=fill_s, cache_bytes=total_bytes,
+        bytes_per_token_per_layer=bpt, caches_donated=donated, hlo_cache_copies=cache_copies,
+        steps_run=i, first_logits=first_logits,
+        logits_finite=bool(np.isfinite(first_logits).all() and np.isfinite(last_logits).all()),
+    )
+
+
+def run_long_context(cfg: Config) -> dict:
+    """Times one decode step over caches already holding ``cfg.context`` tokens per sequence:
+    NVFP4 (fused CUDA kernel on a GPU) against bf16. Returns a results dict."""
+    t_start = time.perf_counter()
+    jax_nvfp4.layout.check_layout(cfg.layout)
+    jax_nvfp4.layout.check_scale_search(cfg.scale_search)
+    for name in ("batch", "steps", "repeats", "warmup", "layers"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name} must be >= 1 in long-context mode, got "
+                             f"{getattr(cfg, name)}")
+    num_new = cfg.warmup + cfg.repeats * cfg.steps
+    plan = long_context_plan(cfg, num_new, seed=cfg.seed + 1)
+    num_blocks, tables = plan[:2]
+    params = init_params(cfg)
+    names = ("nvfp4", "bf16") + (("nvfp4_jnp",) if cfg.nvfp4_jnp else ())
+    runs = {}
+    for name in names:                  # one kind of cache in memory at a time
+        kind, impl = LONG_CONTEXT_RUNS[name]
+        runs[name] = time_long_context(cfg, kind, params, plan, impl)
+    a, b = runs["nvfp4"], runs["bf16"]
+    bf16_bytes = b["cache_bytes"]
+    tokens_in_bf16_memory = {k: bf16_bytes // (cfg.layers * runs[k]["bytes_per_token_per_layer"])
+                             for k in ("nvfp4", "bf16")}
+    results = dict(
+        config=dataclasses.asdict(cfg),
+        device=a["device"], platform=a["platform"],
+        num_blocks=num_blocks, pages_per_seq=tables.shape[1], new_tokens=num_new,
+        runs=runs,
+        step_ms={k: r["step_ms"] for k, r in runs.items()},
+        tokens_per_s={k: r["tokens_per_s"] for k, r in runs.items()},
+        attention_path={k: r["attention_path"] for k, r in runs.items()},
+        speedup=b["step_ms"] / a["step_ms"],
+        bytes_per_token_per_layer={k: runs[k]["bytes_per_token_per_layer"]
+                                   for k in ("nvfp4", "bf16")},
+        cache_bytes={k: runs[k]["cache_bytes"] for k in ("nvfp4", "bf16")},
+        capacity_ratio=b["bytes_per_token_per_layer"] / a["bytes_per_token_per_layer"],
+        tokens_in_bf16_memory=tokens_in_bf16_memory,
+    )
+    if "nvfp4_jnp" in runs:
+        j = runs["nvfp4_jnp"]
+        diff = np.abs(a["first_logits"] - j["first_logits"])
+        results.update(
+            kernel_speedup=j["step_ms"] / a["step_ms"],
+            kernel_vs_jnp_logits_max_abs_diff=float(diff.max()),
+            kernel_vs_jnp_logits_mean_abs=float(np.abs(j["first_logits"]).mean()),
+            kernel_vs_jnp_greedy_agreement=float(
+                (a["first_logits"].argmax(-1) == j["first_logits"].argmax(-1)).mean()))
+    results["wall_s"] = time.perf_counter() - t_start
+    if cfg.verbose:
+        report_long_context(cfg, results)
+    return results
+
+
+def _fmt_bytes(n) -> str:
+    """Decimal units: 4.84 GB, 23.0 kB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _fmt_rate(x) -> str:
+    """Three significant digits or more: 4,012, 1.23, 0.000123."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def report_long_context(cfg, r):
+    runs = r["runs"]
+    print(f"device: {r['device']} (platform {r['platform']})")
+    print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q heads / "
+          f"{cfg.num_kv_heads} kv heads x {cfg.head_size}, mlp {cfg.mlp}, vocab {cfg.vocab} "
+          f"(random weights)")
+    context_pages = -(-cfg.context // cfg.block_size)
+    print(f"long context: batch {cfg.batch}, {cfg.context:,} tokens per sequence already in "
+          f"the cache (random values made on the device, no prefill), block_size "
+          f"{cfg.block_size}, layout {cfg.layout}")
+    print(f"page pool: {r['num_blocks']:,} pages = {cfg.batch} sequences x "
+          f"{r['pages_per_seq']:,} pages ({context_pages:,} hold the context, the rest the "
+          f"{r['new_tokens']} new tokens); block tables: a random permutation of the pages")
+    print(f"timing: {cfg.warmup} warm-up steps after compiling, then the median of "
+          f"{cfg.repeats} runs of {cfg.steps} steps (block_until_ready after each run); "
+          f"one step = all layers (q/k/v, store into the donated cache, attend, MLP)")
+    paths = []
+    for name, run in runs.items():
+        if run["attention_path"] == "kernel":
+            what = (f"fused CUDA kernel ({run['attention_kernel_calls']} {_DECODE_TARGET} "
+                    f"custom calls in the compiled step, {cfg.layers} layers)")
+        elif name == "bf16":
+            what = ("jnp path (paged_attention_bf16: page gather + XLA attention; there is "
+                    "no fused bf16 kernel here)")
+        else:
+            what = f"{run['attention_path']} path (paged_attention impl={run['impl']})"
+        paths.append(f"{LONG_CONTEXT_LABELS[name]} -> {what}")
+    print("attention: " + "; ".join(paths))
+    if runs["nvfp4"]["attention_path"] != "kernel":
+        print(f"  (the NVFP4 step ran the jnp path on platform {r['platform']}: the fused "
+              f"kernel needs a GPU, a CUDA build of jax_nvfp4 and head size in "
+              f"{_KERNEL_HEAD_SIZES})")
+    width = max(len(LONG_CONTEXT_LABELS[k]) for k in runs)
+    for name, run in runs.items():
+        ms = run["step_ms_all"]
+        print(f"{LONG_CONTEXT_LABELS[name]:>{width}}: step {run['step_ms']:.3f} ms (median; "
+              f"min {min(ms):.3f}, max {max(ms):.3f}), {run['tokens_per_s']:,.1f} tokens/s, "
+              f"attended KV {_fmt_rate(run['attended_gb_per_s'])} GB/s, compile "
+              f"{run['compile_s']:.2f} s, cache {_fmt_bytes(run['cache_bytes'])}, caches "
+              f"donated {run['caches_donated']}, cache copies in HLO {run['hlo_cache_copies']}")
+    print(f"speed-up NVFP4 over bf16 (bf16 step time / NVFP4 step time): {r['speedup']:.2f}x "
+          f"({r['step_ms']['bf16']:.3f} ms / {r['step_ms']['nvfp4']:.3f} ms)")
+    if "kernel_speedup" in r:
+        print(f"same NVFP4 cache, impl=auto over impl=jnp: {r['kernel_speedup']:.2f}x; first "
+              f"step logits max |diff| {r['kernel_vs_jnp_logits_max_abs_diff']:.4f} (mean "
+              f"|logit| {r['kernel_vs_jnp_logits_mean_abs']:.3f}), greedy agreement "
+              f"{100 * r['kernel_vs_jnp_greedy_agreement']:.1f}%")
+    bpt = r["bytes_per_token_per_layer"]
+    hb = jax_nvfp4.head_bytes(cfg.head_size)
+    print(f"cache bytes per token per layer: NVFP4 {bpt['nvfp4']:,} (2 x {cfg.num_kv_heads} kv "
+          f"heads x {hb} B) vs bf16 {bpt['bf16']:,} (2 x {cfg.num_kv_heads} kv heads x "
+          f"{cfg.head_size} x 2 B): {r['capacity_ratio']:.2f}x smaller")
+    print(f"total cache ({cfg.layers} layers, {r['num_blocks']:,} pages): NVFP4 "
+          f"{_fmt_bytes(r['cache_bytes']['nvfp4'])} vs bf16 {_fmt_bytes(r['cache_bytes']['bf16'])}")
+    fit = r["tokens_in_bf16_memory"]
+    per_seq = cfg.context + r["new_tokens"]
+    print(f"same memory: the bf16 caches' {_fmt_bytes(r['cache_bytes']['bf16'])} hold "
+          f"{fit['nvfp4']:,} tokens in NVFP4 against {fit['bf16']:,} in bf16: "
+          f"{r['capacity_ratio']:.2f}x as many (+{100 * (r['capacity_ratio'] - 1):.0f}%), "
+          f"{fit['nvfp4'] // per_seq:,} sequences of {per_seq:,} tokens instead of "
+          f"{fit['bf16'] // per_seq:,}")
+    print(f"wall time {r['wall_s']:.1f} s")
+
+
 def parse_args(argv=None) -> Config:
     d = Config()
+    # Options whose default --long-context changes default to None here and are resolved below.
+    long_default = {k: f" ({v} with --long-context)" for k, v in LONG_CONTEXT_DEFAULTS.items()
+                    if v != getattr(d, k)}
+
+    def sized(name, help_text="", parser=None):
+        field = name.lstrip("-").replace("-", "_")
+        default = getattr(d, field)
+        (parser or p).add_argument(
+            name, type=int, default=None,
+            help=f"{help_text}default {default}{long_default.get(field, '')}")
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch", type=int, default=d.batch)
+    sized("--batch")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=list(d.prompt_lens),
                    help="prompt lengths, cycled over the batch")
-    p.add_argument("--steps", type=int, default=d.steps, help="decode steps")
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--d-model", type=int, default=d.d_model)
-    p.add_argument("--num-q-heads", type=int, default=d.num_q_heads)
-    p.add_argument("--num-kv-heads", type=int, default=d.num_kv_heads)
-    p.add_argument("--head-size", type=int, default=d.head_size)
-    p.add_argument("--mlp", type=int, default=d.mlp)
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    sized("--steps", "decode steps (with --long-context: timed steps per repeat); ")
+    sized("--layers")
+    sized("--d-model")
+    sized("--num-q-heads")
+    sized("--num-kv-heads")
+    sized("--head-size")
+    sized("--mlp")
+    sized("--vocab")
+    sized("--block-size")
     p.add_argument("--layout", choices=jax_nvfp4.LAYOUTS, default=d.layout)
     p.add_argument("--scale-search", choices=jax_nvfp4.SCALE_SEARCHES, default=d.scale_search)
     p.add_argument("--extra-blocks", type=int, default=d.extra_blocks)
@@ -538,19 +865,38 @@ def parse_args(argv=None) -> Config:
                    help="feed the NVFP4 run the bf16 run's tokens (compare every step)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
+    g = p.add_argument_group(
+        "long-context mode", "time one decode step over caches already holding --context tokens "
+        "per sequence (filled with random values, no prefill), NVFP4 against bf16")
+    g.add_argument("--long-context", action="store_true",
+                   help="run the long-context benchmark instead of the greedy-decode comparison")
+    sized("--context", "tokens already in each sequence's cache; ", g)
+    g.add_argument("--repeats", type=int, default=d.repeats,
+                   help=f"timings of --steps steps each; the median is reported (default "
+                        f"{d.repeats})")
+    g.add_argument("--warmup", type=int, default=d.warmup,
+                   help=f"untimed steps after compiling (default {d.warmup})")
+    g.add_argument("--nvfp4-jnp", action="store_true",
+                   help="also time the NVFP4 cache with paged_attention(impl='jnp') (the XLA "
+                        "reader): on a GPU, what the fused kernel buys on the same cache")
     a = p.parse_args(argv)
-    return Config(batch=a.batch, prompt_lens=tuple(a.prompt_lens), steps=a.steps,
-                  layers=a.layers, d_model=a.d_model, num_q_heads=a.num_q_heads,
-                  num_kv_heads=a.num_kv_heads, head_size=a.head_size, mlp=a.mlp, vocab=a.vocab,
-                  block_size=a.block_size, layout=a.layout, scale_search=a.scale_search,
-                  extra_blocks=a.extra_blocks, teacher_force=a.teacher_force, seed=a.seed,
-                  progress=not a.no_progress)
+    defaults = dict(dataclasses.asdict(d), **(LONG_CONTEXT_DEFAULTS if a.long_context else {}))
+    size = {k: getattr(a, k) if getattr(a, k) is not None else defaults[k]
+            for k in ("batch", "steps", "layers", "d_model", "num_q_heads", "num_kv_heads",
+                      "head_size", "mlp", "vocab", "block_size", "context")}
+    return Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
+                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
+                  teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
+                  long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
+                  nvfp4_jnp=a.nvfp4_jnp, **size)
 
 
 def main(argv=None) -> dict:
-    """Parses ``argv`` (default: the command line), runs both decodes, prints and returns the
-    results dict (see :func:`run`)."""
-    return run(parse_args(argv))
+    """Parses ``argv`` (default: the command line), runs both decodes (or, with
+    ``--long-context``, the long-context timing), prints and returns the results dict (see
+    :func:`run` and :func:`run_long_context`)."""
+    cfg = parse_args(argv)
+    return run_long_context(cfg) if cfg.long_context else run(cfg)
 
 
 if __name__ == "__main__":

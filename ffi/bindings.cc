@@ -1,8 +1,9 @@
 // Python binding: hands the FFI handlers to jax.ffi.register_ffi_target as capsules.
 #include <nanobind/nanobind.h>
 
+#include "decode_ffi.h"
+#include "handlers.h"
 #include "store_ffi.h"
-#include "store_handlers.h"
 
 namespace nb = nanobind;
 
@@ -19,6 +20,7 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 NB_MODULE(_ffi, m) {
   m.attr("STORE_TARGET") = nvfp4::kStoreTarget;
+  m.attr("DECODE_TARGET") = nvfp4::kDecodeTarget;
   m.def("registrations", []() {
     nb::dict platforms;
     platforms["cpu"] = EncapsulateFfiHandler(NvFp4StoreCpu);
@@ -27,6 +29,13 @@ NB_MODULE(_ffi, m) {
 #endif
     return platforms;
   }, "Store handlers by XLA platform name, as capsules for jax.ffi.register_ffi_target.");
+  m.def("decode_registrations", []() {
+    nb::dict platforms;
+#if defined(JAX_NVFP4_WITH_CUDA)
+    platforms["CUDA"] = EncapsulateFfiHandler(NvFp4DecodeAttentionCuda);
+#endif
+    return platforms;
+  }, "Decode-attention handlers by XLA platform name (CUDA only; the CPU runs the jnp path).");
   m.def("_e2m1_code_mismatches", []() {
     // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
     // the comparison ladder of spec §2 step 5 on |y|. Returns how many differ (a test expects 0).

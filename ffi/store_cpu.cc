@@ -7,7 +7,7 @@
 #endif
 
 #include "store_ffi.h"
-#include "store_handlers.h"
+#include "handlers.h"
 
 namespace nvfp4 {
 namespace {

@@ -5,8 +5,9 @@
 
 #include <string>
 
+#include "cuda_common.cuh"
+#include "handlers.h"
 #include "store_ffi.h"
-#include "store_handlers.h"
 
 namespace nvfp4 {
 namespace {
@@ -14,32 +15,6 @@ namespace {
 constexpr int kThreadsPerBlock = 256;
 // Four CTAs of 256 threads per SM (64 registers a thread): enough warps to hide load latency.
 constexpr int kMinBlocksPerSm = 4;
-
-// Division by a divisor fixed at launch, as a multiply-high and a shift (Granlund-Montgomery):
-// 32-bit integer division is a long instruction sequence on the GPU and the kernel needs
-// several per thread. Exact for numerators below 2^31.
-struct FastDivmod {
-  uint32_t divisor = 1, multiplier = 0, shift = 0;
-
-  FastDivmod() = default;
-  explicit FastDivmod(uint32_t d) : divisor(d) {
-    if (d == 1) return;
-    uint32_t log2_ceil = 0;
-    while ((uint64_t(1) << log2_ceil) < d) ++log2_ceil;
-    shift = log2_ceil - 1;
-    multiplier = uint32_t(((uint64_t(1) << 32) * ((uint64_t(1) << log2_ceil) - d)) / d + 1);
-  }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const {
-    if (divisor == 1) return n;
-    const uint32_t t = __umulhi(n, multiplier);
-    return (t + ((n - t) >> 1)) >> shift;
-  }
-  __device__ __forceinline__ uint32_t divmod(uint32_t n, uint32_t* rem) const {
-    const uint32_t q = div(n);
-    *rem = n - q * divisor;
-    return q;
-  }
-};
 
 struct WorkShape {
   FastDivmod blocks_per_head;  // D/16
@@ -136,10 +111,6 @@ void LaunchForSearch(cudaStream_t stream, const StoreProblem& p, int64_t num_blo
     Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, aligned_data);
 }
 
-ffi::Error CudaError(const char* what, cudaError_t error) {
-  return ffi::Error(ffi::ErrorCode::kInternal, std::string("jax_nvfp4 reshape_and_cache: ") +
-                                                   what + ": " + cudaGetErrorString(error));
-}
 
 ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer value,
                      ffi::Buffer<ffi::U8> kv_cache, ffi::AnyBuffer slot_mapping,
@@ -155,7 +126,7 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
     const cudaError_t copied =
         cudaMemcpyAsync(kv_cache_out->untyped_data(), kv_cache.untyped_data(),
                         kv_cache.size_bytes(), cudaMemcpyDeviceToDevice, stream);
-    if (copied != cudaSuccess) return CudaError("copying kv_cache", copied);
+    if (copied != cudaSuccess) return CudaError("reshape_and_cache", "copying kv_cache", copied);
   }
   const int64_t num_blocks_total =
       p.num_layers * p.num_tokens * 2 * p.page.num_kv_heads * (p.page.head_size / kBlockElems);
@@ -176,7 +147,7 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
     else LaunchForSearch<false, 1>(stream, p, num_blocks_total, aligned_data);
   }
   const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) return CudaError("kernel launch", launched);
+  if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
   return ffi::Error::Success();
 }
 

@@ -1,10 +1,13 @@
-"""Paged decode attention over an NVFP4 cache (and its bf16-cache twin), in pure jnp.
+"""Paged decode attention over an NVFP4 cache (and its bf16-cache twin).
 
-One query token per sequence (decode). Each sequence reads only the pages of its row of
-``block_tables`` (all of that row, padding included); positions at or past its ``seq_len`` are masked. Both readers gather the
-pages, turn them into float32 K/V (:func:`jax_nvfp4.reference.dequantize_pages` for NVFP4, a
-cast for the plain cache) and call the same masked grouped-query softmax attention,
-:func:`attend`, so they differ only in what the cache holds.
+One query token per sequence (decode). :func:`paged_attention` runs the fused CUDA kernel on a
+GPU (``ffi/decode_cuda.cu``: reads the FP4 codes and E4M3 scales straight from the pages, only
+the pages each sequence's length needs, split-KV across the GPU) and the jnp path elsewhere;
+``impl="jnp"`` asks for the jnp path anywhere: it is the reference the kernel is tested
+against. The jnp readers gather the pages of each row of ``block_tables`` (all of that row,
+padding included), turn them into float32 K/V (:func:`jax_nvfp4.reference.dequantize_pages`
+for NVFP4, a cast for the plain cache) and call the same masked grouped-query softmax
+attention, :func:`jax_nvfp4.reference.attend`, so they differ only in what the cache holds.
 
 Head axes stay explicit throughout the attention math: query heads are split as
 ``[num_kv_heads, q_per_kv]`` (query head ``i`` reads KV head ``i // q_per_kv``) and never merged
@@ -13,14 +16,14 @@ with another axis, so a sharding of the head axis along KV-head boundaries carri
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import attention_primitive as _primitive
 from . import checks
 from . import reference as _reference
+from .reference import attend  # noqa: F401  (re-exported: the attention math of every reader)
 
 _Q_DTYPES = ("bfloat16", "float16", "float32")
 _CACHE_DTYPES = ("bfloat16", "float16", "float32")
@@ -72,7 +75,7 @@ def _scale(s, argument):
 
 def _sm_scale(sm_scale, head_size):
     if sm_scale is None:
-        return 1.0 / math.sqrt(head_size)
+        return _reference.default_sm_scale(head_size)
     if isinstance(sm_scale, (bool, np.bool_)) or not (
             isinstance(sm_scale, (int, float, np.floating, np.integer))
             or (hasattr(sm_scale, "shape") and tuple(sm_scale.shape) == ())):
@@ -80,82 +83,45 @@ def _sm_scale(sm_scale, head_size):
     return sm_scale
 
 
-def _gather_index(block_tables, num_blocks):
-    """Padding entries may hold anything: clamp into range, the seq_len mask hides them."""
-    return jnp.clip(block_tables.astype(jnp.int32), 0, num_blocks - 1)
-
-
-# --------------------------------------------------------------------------- attention math
-
-
-def attend(q, k, v, seq_lens, *, sm_scale=None):
-    """Masked grouped-query softmax attention of one query token per sequence.
-
-    Shared by :func:`paged_attention` and :func:`paged_attention_bf16`.
-
-    Args:
-      q: ``[batch, num_q_heads, head_size]``.
-      k, v: ``[batch, max_len, num_kv_heads, head_size]``: each sequence's tokens in position
-        order (gathered pages); positions ``>= seq_lens[b]`` may hold anything, NaN included.
-      seq_lens: ``[batch]`` integer; a sequence attends to positions ``0 .. seq_len - 1``
-        (clamped to ``max_len``). ``seq_len <= 0`` gives a zero output.
-      sm_scale: score multiplier, default ``1 / sqrt(head_size)``.
-
-    Returns:
-      ``[batch, num_q_heads, head_size]`` in q's dtype. Scores, softmax and the weighted sum of
-      values are computed in float32 (``Precision.HIGHEST``); query head ``i`` uses KV head
-      ``i // (num_q_heads // num_kv_heads)``.
-    """
-    batch, num_q_heads, head_size = q.shape
-    max_len, num_kv_heads = k.shape[1], k.shape[2]
-    group = num_q_heads // num_kv_heads
-    scale = _sm_scale(sm_scale, head_size)
-    if max_len == 0:
-        return jnp.zeros(q.shape, q.dtype)
-
-    hi = jax.lax.Precision.HIGHEST
-    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_size)
-    valid = jnp.arange(max_len, dtype=jnp.int32)[None, :] < seq_lens.astype(jnp.int32)[:, None]
-    # Masked positions may hold garbage (stale rows, other pages, NaN): their scores are
-    # replaced below; their values are zeroed so that 0 * NaN never reaches the sum.
-    v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
-
-    scores = jnp.einsum("bhgd,blhd->bhgl", qg, k.astype(jnp.float32), precision=hi)
-    scores = scores * jnp.asarray(scale, jnp.float32)
-    mask = valid[:, None, None, :]
-    scores = jnp.where(mask, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)           # every position masked: no -inf - -inf
-    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgl,blhd->bhgd", p, v, precision=hi)
-    out = out / jnp.where(denom > 0, denom, 1.0)           # seq_len 0: 0 / 1 = 0, not NaN
-    return out.reshape(batch, num_q_heads, head_size).astype(q.dtype)
-
-
 # --------------------------------------------------------------------------- readers
 
 
 def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, layout="HND",
-                    v_scale_swizzle=True, sm_scale=None):
+                    v_scale_swizzle=True, sm_scale=None, return_lse=False, impl="auto"):
     """Decode attention reading an NVFP4 paged KV cache (one query token per sequence).
 
-    Sequence ``b`` reads the pages ``block_tables[b, :ceil(seq_lens[b] / block_size)]`` and
-    attends to its first ``seq_lens[b]`` positions (position ``t`` lives in page
-    ``block_tables[b, t // block_size]``, row ``t % block_size``). The ``max_blocks_per_seq``
-    pages of each row of ``block_tables`` are gathered and dequantised (spec §1:
-    ``E2M1 * E4M3 block scale * k_scale``, by :func:`jax_nvfp4.reference.dequantize_pages`),
-    padding entries included (clamped into range, then masked); no other page is read. The cost
-    of a step is ``batch * max_blocks_per_seq`` pages, whatever ``seq_lens`` says: size the
-    block table to the longest sequence of the batch.
+    Sequence ``b`` attends to its first ``seq_lens[b]`` positions; position ``t`` lives in page
+    ``block_tables[b, t // block_size]``, row ``t % block_size``. Values are
+    ``E2M1 code * E4M3 block scale * k_scale`` (``v_scale`` for V), read straight from the
+    pages.
+
+    On a GPU (``impl="auto"``, the default) this is one fused CUDA kernel (plus a small merge
+    when a sequence is split across CTAs): only pages ``< ceil(seq_len / block_size)`` of each
+    row are read, so a batch costs the sum of its lengths, not ``batch * max_blocks_per_seq``;
+    the codes are turned into fp16 in registers (exact: an E2M1 value times an E4M3 scale fits
+    fp16) and multiplied on the tensor cores with float32 accumulation; the softmax is float32.
+    The query is rounded to fp16 on the way in (with a power-of-two scale per head, so no range
+    is lost), so the kernel's output agrees with the jnp path to about fp16 precision (bounds
+    in tests/test_decode_kernel.py). Head sizes 64, 128 and 256 use the kernel; other head sizes
+    use the jnp path. Elsewhere (CPU) and with ``impl="jnp"`` the jnp path runs: it gathers all
+    ``max_blocks_per_seq`` pages of each row of ``block_tables`` (padding included), dequantises
+    them in float32 (:func:`jax_nvfp4.reference.dequantize_pages`) and attends in float32
+    (:func:`jax_nvfp4.reference.attend`); it is the reference the kernel is tested against.
 
     Entries of ``block_tables`` past a sequence's pages are padding and may hold anything
-    (``-1``, out-of-range ids, other sequences' pages): they are clamped into range for the
-    gather and masked out. Rows of the last page past ``seq_len`` are masked too, whatever they
-    hold. A sequence with ``seq_len == 0`` gets a zero output.
+    (``-1``, out-of-range ids, other sequences' pages): the kernel never reads them, the jnp
+    path clamps them into range and masks them out. Entries *inside* ``seq_len`` are not
+    checked: an id outside ``[0, num_blocks)`` is clamped into range (page 0 or the last page)
+    by both paths; nothing outside the cache is ever read. Rows of the last page past
+    ``seq_len`` are masked, whatever they hold. A sequence with ``seq_len == 0`` gets a zero
+    output (and an ``lse`` of ``-inf``).
 
-    Pure jnp, so it runs on any backend and under ``jax.jit``/``vmap`` (``layout``,
-    ``v_scale_swizzle`` and a Python ``sm_scale`` are static).
+    Works under ``jax.jit`` (``layout``, ``v_scale_swizzle``, ``return_lse``, ``impl`` and a
+    Python ``sm_scale`` are static), ``jax.vmap`` over stacked layers or head groups (one
+    launch), ``lax.scan`` and CUDA graphs. The cache is only read: it need not be donated.
+    Under a multi-device ``jit`` the kernel splits along a stacked (vmapped) axis of the cache
+    and along the batch axis with no communication; see
+    :func:`jax_nvfp4.sharding.paged_attention_grouped` for tensor parallelism.
 
     Args:
       q: ``[batch, num_q_heads, head_size]``, bfloat16, float16 or float32. ``num_q_heads`` is
@@ -165,16 +131,24 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
         ``layout``, as written by :func:`jax_nvfp4.reshape_and_cache`.
       block_tables: ``[batch, max_blocks_per_seq]`` integer (int32) page ids.
       seq_lens: ``[batch]`` integer (int32): tokens of each sequence in the cache, the new
-        token included. Values above ``max_blocks_per_seq * block_size`` attend to all gathered
-        positions.
+        token included. Values above ``max_blocks_per_seq * block_size`` attend to all
+        ``max_blocks_per_seq * block_size`` positions; values below 0 count as 0.
       k_scale, v_scale: the float32 scalars (shape ``()`` or ``(1,)``) the cache was written
         with (dequantisation multipliers).
       layout: ``"HND"`` (default) or ``"NHD"``, as written.
       v_scale_swizzle: as written (default ``True``).
-      sm_scale: softmax scale, default ``1 / sqrt(head_size)``.
+      sm_scale: softmax scale, default ``1 / sqrt(head_size)``; a Python number or a float
+        scalar array.
+      return_lse: also return the log-sum-exp of each head's scores (natural log, float32,
+        ``[batch, num_q_heads]``), e.g. to merge attention over several caches or shards:
+        ``out = sum_i exp(lse_i - lse) * out_i`` with ``lse = logsumexp(lse_i)``.
+      impl: ``"auto"`` (the CUDA kernel where it runs, the jnp path elsewhere), ``"kernel"``
+        (the CUDA kernel or an error when lowering for a platform or head size it does not
+        cover) or ``"jnp"`` (the jnp path on every backend).
 
     Returns:
-      ``[batch, num_q_heads, head_size]`` in q's dtype; softmax in float32.
+      ``[batch, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)`` with
+      ``return_lse=True``.
 
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
@@ -183,6 +157,9 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     if not hasattr(kv_cache, "dtype"):
         kv_cache = jnp.asarray(kv_cache)
     checks.check_flag(v_scale_swizzle, "v_scale_swizzle")
+    checks.check_flag(return_lse, "return_lse")
+    if impl not in _primitive.IMPLS:
+        raise ValueError(f"impl must be one of {_primitive.IMPLS}, got {impl!r}")
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
     _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, batch)
@@ -194,12 +171,15 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
         raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
                          f"{max_blocks} column(s)")
 
-    pages = geo.pages(kv_cache)
-    pages = pages[_gather_index(block_tables, geo.num_blocks)]     # [B, M, 2, side_bytes]
-    k, v = _reference.dequantize_pages(pages, geo, k_scale, v_scale,
-                                       v_scale_swizzle=bool(v_scale_swizzle), dtype=jnp.float32)
-    shape = (batch, max_blocks * geo.block_size, geo.num_kv_heads, geo.head_size)
-    return attend(q, k.reshape(shape), v.reshape(shape), seq_lens, sm_scale=sm_scale)
+    if impl == "jnp":
+        result = _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale,
+                                            v_scale, layout=layout,
+                                            v_scale_swizzle=bool(v_scale_swizzle),
+                                            sm_scale=sm_scale, return_lse=True)
+    else:
+        result = _primitive.bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
+                                 layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+    return result if return_lse else result[0]
 
 
 def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
@@ -245,7 +225,7 @@ def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scal
         raise ValueError("k_cache has no pages (num_blocks == 0) but block_tables has "
                          f"{max_blocks} column(s)")
 
-    index = _gather_index(block_tables, num_blocks)
+    index = _reference.gather_index(block_tables, num_blocks)
     shape = (batch, max_blocks * block_size, num_kv_heads, head_size)
     k = k_cache[index].reshape(shape)                              # [B, M*T, H, D]
     v = v_cache[index].reshape(shape)

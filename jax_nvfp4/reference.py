@@ -202,3 +202,94 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
     pages = geo.pages(kv_cache)
     return dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=v_scale_swizzle,
                             dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode attention: the jnp path of jax_nvfp4.paged_attention (impl="jnp"), the reference its
+# CUDA kernel is tested against, and the CPU implementation.
+
+
+def attend(q, k, v, seq_lens, *, sm_scale=None, return_lse=False):
+    """Masked grouped-query softmax attention of one query token per sequence.
+
+    Shared by every jnp reader (NVFP4 and plain caches).
+
+    Args:
+      q: ``[batch, num_q_heads, head_size]``.
+      k, v: ``[batch, max_len, num_kv_heads, head_size]``: each sequence's tokens in position
+        order (gathered pages); positions ``>= seq_lens[b]`` may hold anything, NaN included.
+      seq_lens: ``[batch]`` integer; a sequence attends to positions ``0 .. seq_len - 1``
+        (clamped to ``max_len``). ``seq_len <= 0`` gives a zero output.
+      sm_scale: score multiplier, default ``1 / sqrt(head_size)``.
+      return_lse: also return the log-sum-exp of the scores.
+
+    Returns:
+      ``[batch, num_q_heads, head_size]`` in q's dtype (and, with ``return_lse``, the float32
+      ``[batch, num_q_heads]`` natural log of ``sum(exp(score))``, ``-inf`` where nothing is
+      attended to). Scores, softmax and the weighted sum of values are computed in float32
+      (``Precision.HIGHEST``); query head ``i`` uses KV head
+      ``i // (num_q_heads // num_kv_heads)``.
+    """
+    batch, num_q_heads, head_size = q.shape
+    max_len, num_kv_heads = k.shape[1], k.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale = default_sm_scale(head_size) if sm_scale is None else sm_scale
+    if max_len == 0:
+        out = jnp.zeros(q.shape, q.dtype)
+        return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
+
+    hi = jax.lax.Precision.HIGHEST
+    qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_size)
+    valid = jnp.arange(max_len, dtype=jnp.int32)[None, :] < seq_lens.astype(jnp.int32)[:, None]
+    # Masked positions may hold garbage (stale rows, other pages, NaN): their scores are
+    # replaced below; their values are zeroed so that 0 * NaN never reaches the sum.
+    v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
+
+    scores = jnp.einsum("bhgd,blhd->bhgl", qg, k.astype(jnp.float32), precision=hi)
+    scores = scores * jnp.asarray(scale, jnp.float32)
+    mask = valid[:, None, None, :]
+    scores = jnp.where(mask, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)           # every position masked: no -inf - -inf
+    p = jnp.where(mask, jnp.exp(scores - top), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgl,blhd->bhgd", p, v, precision=hi)
+    out = out / jnp.where(denom > 0, denom, 1.0)           # seq_len 0: 0 / 1 = 0, not NaN
+    out = out.reshape(batch, num_q_heads, head_size).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(denom > 0, top + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
+    return out, lse.reshape(batch, num_q_heads)
+
+
+def default_sm_scale(head_size: int) -> float:
+    """The softmax scale when none is given: ``1 / sqrt(head_size)``."""
+    return 1.0 / float(np.sqrt(head_size))
+
+
+def gather_index(block_tables, num_blocks: int):
+    """Page ids for a gather: padding entries may hold anything, so they are clamped into range
+    (the ``seq_len`` mask hides them). Entries inside ``seq_len`` are clamped the same way: an
+    out-of-range id there reads page 0 or the last page (unchecked, like every jnp gather)."""
+    return jnp.clip(block_tables.astype(jnp.int32), 0, max(num_blocks - 1, 0))
+
+
+def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, layout="HND",
+                    v_scale_swizzle=True, sm_scale=None, return_lse=False):
+    """Decode attention over an NVFP4 paged cache in pure jnp (no argument checks).
+
+    The computation behind ``jax_nvfp4.paged_attention(..., impl="jnp")``, which validates the
+    arguments first; same arguments and result. Every sequence gathers all
+    ``max_blocks_per_seq`` pages of its row of ``block_tables`` (padding entries clamped into
+    range), dequantises them to float32 (:func:`dequantize_pages`) and attends with
+    :func:`attend`.
+    """
+    geo = _layout.CacheGeometry.from_shape(kv_cache.shape, layout)
+    batch = q.shape[0]
+    max_blocks = block_tables.shape[1]
+    pages = geo.pages(kv_cache)[gather_index(block_tables, geo.num_blocks)]  # [B, M, 2, side]
+    k, v = dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=bool(v_scale_swizzle),
+                            dtype=jnp.float32)
+    shape = (batch, max_blocks * geo.block_size, geo.num_kv_heads, geo.head_size)
+    return attend(q, k.reshape(shape), v.reshape(shape), seq_lens, sm_scale=sm_scale,
+                  return_lse=return_lse)

@@ -348,7 +348,8 @@ def layer_slots(slot_mapping, layer, num_blocks: int, block_size: int):
 
 
 def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *,
-                            layout="HND", v_scale_swizzle=True, sm_scale=None):
+                            layout="HND", v_scale_swizzle=True, sm_scale=None, return_lse=False,
+                            impl="auto"):
     """:func:`jax_nvfp4.paged_attention` over a head-grouped cache: one call per group.
 
     Group ``g`` of the cache holds kv heads ``g*H/G .. (g+1)*H/G - 1``; query head ``i``
@@ -358,8 +359,9 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     plain cache holding the same K/V, and every group's attention reads only its own cache.
 
     It is ``jax.vmap`` of ``paged_attention`` over the group axis of the cache and of ``q``
-    split into ``[G, batch, num_q_heads/G, head_size]`` (:func:`split_heads`); the groups'
-    outputs are merged back with the heads in order (:func:`merge_heads`). Under ``jit`` with
+    split into ``[G, batch, num_q_heads/G, head_size]`` (:func:`split_heads`): on a GPU one
+    kernel launch for all groups. The groups' outputs are merged back with the heads in order
+    (:func:`merge_heads`). Under ``jit`` with
     the cache sharded along axis 0 and ``q`` along its head axis over the same mesh axis (whose
     size divides G), with block_tables, seq_lens and the scales replicated, each device attends
     with its own groups: no collective and no copy of the cache; the output is sharded along
@@ -373,10 +375,11 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
       block_tables, seq_lens: as for ``paged_attention`` (shared by the groups).
       k_scale, v_scale: the float32 scalars the cache was written with (shared by the groups,
         as :func:`reshape_and_cache_grouped` uses them).
-      layout, v_scale_swizzle, sm_scale: as for ``paged_attention``.
+      layout, v_scale_swizzle, sm_scale, return_lse, impl: as for ``paged_attention``.
 
     Returns:
-      ``[batch, num_q_heads, head_size]`` in q's dtype, heads in order.
+      ``[batch, num_q_heads, head_size]`` in q's dtype, heads in order (and the
+      ``[batch, num_q_heads]`` log-sum-exp with ``return_lse=True``).
 
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
@@ -409,11 +412,16 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     v_scale = _attention._scale(v_scale, "v_scale")
     sm_scale = _attention._sm_scale(sm_scale, head_size)
 
+    checks.check_flag(return_lse, "return_lse")
+
     def attend_group(q_g, cache_g):
         return _attention.paged_attention(q_g, cache_g, block_tables, seq_lens, k_scale,
                                           v_scale, layout=layout,
                                           v_scale_swizzle=bool(v_scale_swizzle),
-                                          sm_scale=sm_scale)
+                                          sm_scale=sm_scale, return_lse=True, impl=impl)
 
-    out = jax.vmap(attend_group)(split_heads(q, num_groups), kv_cache)  # [G, B, Q/G, D]
-    return merge_heads(out)
+    out, lse = jax.vmap(attend_group)(split_heads(q, num_groups), kv_cache)  # [G, B, Q/G, D]
+    out = merge_heads(out)
+    if not return_lse:
+        return out
+    return out, merge_heads(lse[..., None])[..., 0]

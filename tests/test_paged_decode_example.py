@@ -1,7 +1,9 @@
 """examples/paged_decode.py at a tiny size: compiled once, caches donated, close to the bf16 run."""
 
 import importlib.util
+import math
 import pathlib
+import re
 import sys
 
 import jax
@@ -10,6 +12,7 @@ import numpy as np
 import pytest
 
 import hlo_checks as hc
+import jax_nvfp4
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "paged_decode.py"
 
@@ -176,3 +179,108 @@ def test_block_allocator(example):
     alloc.free_sequence("a")
     assert alloc.num_free == 4
     assert len(alloc.append_slots("c", 9)) == 9
+
+
+# --------------------------------------------------------------------------- --long-context
+
+# The long-context mode at a tiny size (on the CPU the NVFP4 reader is the jnp path): 2
+# sequences of 61 tokens (the last context page part full), 2 layers, 2 warm-up steps and
+# 2 x 3 timed steps, so 8 new tokens cross into a fifth page; also the impl="jnp" NVFP4 run.
+LONG_TINY = ["--long-context", "--batch", "2", "--context", "61", "--layers", "2",
+             "--d-model", "64", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-size", "64",
+             "--mlp", "128", "--vocab", "256", "--steps", "3", "--repeats", "2", "--warmup", "2",
+             "--nvfp4-jnp", "--seed", "0"]
+LONG_LABELS = {"nvfp4": "nvfp4", "bf16": "bf16", "nvfp4_jnp": "nvfp4 (impl=jnp)"}
+
+
+def _positive(x):
+    return math.isfinite(x) and x > 0
+
+
+def test_long_context_options(example):
+    """--long-context changes the defaults of the sizes it uses; given options win; the default
+    mode's configuration is untouched."""
+    assert example.parse_args([]) == example.Config()
+    cfg = example.parse_args(["--long-context"])
+    assert (cfg.long_context, cfg.batch, cfg.context, cfg.layers, cfg.num_q_heads,
+            cfg.num_kv_heads, cfg.head_size, cfg.block_size) == (True, 32, 32768, 4, 32, 8, 128, 16)
+    cfg = example.parse_args(["--long-context", "--batch", "3", "--context", "100"])
+    assert (cfg.batch, cfg.context, cfg.layers) == (3, 100, 4)
+
+
+def test_long_context_plan_and_random_caches(example):
+    cfg = example.parse_args(LONG_TINY + ["--layout", "NHD"])
+    num_new = 8
+    num_blocks, tables, slots, lens = example.long_context_plan(cfg, num_new, seed=1)
+    assert num_blocks == 2 * math.ceil((61 + num_new) / 16) == 10     # exactly what is needed
+    assert tables.shape == (2, 5) and tables.dtype == np.int32
+    assert sorted(tables.ravel().tolist()) == list(range(num_blocks))  # every page once
+    pos = 61 + np.arange(num_new)                   # step i writes position 61 + i ...
+    np.testing.assert_array_equal(slots, tables[:, pos // 16].T * 16 + (pos % 16)[:, None])
+    np.testing.assert_array_equal(lens, np.broadcast_to(pos[:, None] + 1, (num_new, 2)))
+    assert len(set(slots.ravel().tolist())) == slots.size     # ... into a slot of its own
+
+    caches = example.random_caches(cfg, "nvfp4", num_blocks, jax.random.PRNGKey(0))
+    shape = jax_nvfp4.kv_cache_shape(num_blocks, 16, 2, 64, "NHD")
+    geo = jax_nvfp4.layout.CacheGeometry.from_shape(shape, "NHD")
+    assert len(caches) == 2 and not np.array_equal(caches[0], caches[1])   # a key per layer
+    for cache in caches:
+        assert cache.shape == shape and cache.dtype == jnp.uint8
+        pages = np.asarray(geo.pages(cache))
+        scale_bytes = pages[..., geo.side_data_bytes:]
+        assert scale_bytes.min() == 0x30 and scale_bytes.max() == 0x58      # finite E4M3
+        assert len(np.unique(pages[..., :geo.side_data_bytes])) > 200         # random codes
+        scale = example.RANDOM_KV_SCALE
+        for x in jax_nvfp4.dequantize(cache, scale, scale, layout="NHD", dtype=jnp.float32):
+            x = np.asarray(x)
+            assert np.isfinite(x).all() and np.abs(x).max() <= 6 * 16 * scale
+            assert 0.1 < x.std() < 3
+    k, v = example.random_caches(cfg, "bf16", num_blocks, jax.random.PRNGKey(0))[0]
+    assert k.shape == v.shape == (num_blocks, 16, 2, 64) and k.dtype == jnp.bfloat16
+    assert 0.9 < float(jnp.std(k.astype(jnp.float32))) < 1.1 and not np.array_equal(k, v)
+
+
+def test_long_context_mode(example, capsys):
+    """Runs the long-context mode end to end on the CPU and reads its printed summary."""
+    r = example.main(LONG_TINY)
+    out = capsys.readouterr().out
+    cfg = example.parse_args(LONG_TINY)
+    num_new = cfg.warmup + cfg.repeats * cfg.steps
+    assert r["new_tokens"] == num_new == 8
+    assert r["num_blocks"] == 2 * math.ceil((61 + num_new) / 16) == 10
+
+    for name, label in LONG_LABELS.items():
+        m = re.search(rf"^ *{re.escape(label)}: step ([\d.]+) ms \(median; min ([\d.]+), max "
+                      rf"([\d.]+)\), ([\d,.]+) tokens/s, attended KV ([\d,.e+-]+) GB/s", out, re.M)
+        assert m, (label, out)
+        step, low, high, tps, gbps = (float(g.replace(",", "")) for g in m.groups())
+        assert all(map(_positive, (step, low, high, tps, gbps))) and low <= step <= high
+        run = r["runs"][name]
+        assert _positive(run["step_ms"]) and len(run["step_ms_all"]) == cfg.repeats
+        assert run["tokens_per_s"] == pytest.approx(cfg.batch / (run["step_ms"] / 1e3))
+        assert run["steps_run"] == num_new
+        assert run["caches_donated"] and run["hlo_cache_copies"] == 0
+        assert run["logits_finite"]
+        assert run["attention_path"] == "jnp" and run["attention_kernel_calls"] == 0   # CPU
+    assert re.search(r"^attention: nvfp4 -> jnp path .*; bf16 -> jnp path", out, re.M), out
+
+    m = re.search(r"^speed-up NVFP4 over bf16 \(bf16 step time / NVFP4 step time\): "
+                  r"([\d.]+)x", out, re.M)
+    assert m and _positive(float(m[1])) and _positive(r["speedup"])
+    m = re.search(r"^same NVFP4 cache, impl=auto over impl=jnp: ([\d.]+)x", out, re.M)
+    assert m and _positive(float(m[1]))
+    # Both NVFP4 runs read the same random cache with the same first tokens (jnp path twice).
+    assert r["kernel_vs_jnp_logits_max_abs_diff"] <= 1e-3
+    assert r["kernel_vs_jnp_greedy_agreement"] == 1.0
+
+    # head_size 64: NVFP4 2 x 2 kv heads x 36 B per token and layer, bf16 2 x 2 x 64 x 2 B.
+    assert r["bytes_per_token_per_layer"] == {"nvfp4": 144, "bf16": 512}
+    assert "NVFP4 144 (2 x 2 kv heads x 36 B) vs bf16 512 (2 x 2 kv heads x 64 x 2 B): 3.56x " \
+           "smaller" in out
+    slots = r["num_blocks"] * 16 * cfg.layers
+    assert r["cache_bytes"] == {"nvfp4": slots * 144, "bf16": slots * 512}
+    assert re.search(r"^total cache \(2 layers, 10 pages\): NVFP4 [\d.]+ kB vs bf16 [\d.]+ kB",
+                     out, re.M), out
+    assert r["capacity_ratio"] == pytest.approx(512 / 144)
+    assert r["tokens_in_bf16_memory"] == {"nvfp4": slots * 512 // 144 // 2, "bf16": slots // 2}
+    assert re.search(r"^same memory: .* 3\.56x as many \(\+256%\)", out, re.M), out

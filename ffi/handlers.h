@@ -1,4 +1,5 @@
-// The handler symbols the binding module exports, one per platform.
+// The handler symbols the binding module exports: the store on each platform, the decode
+// attention kernel on CUDA.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -6,6 +7,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4StoreCpu);
 #if defined(JAX_NVFP4_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4StoreCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4DecodeAttentionCuda);
 
 namespace nvfp4 {
 // Every float32 through the device's branch-free e2m1 rounding against the comparison ladder,

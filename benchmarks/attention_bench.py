@@ -1,0 +1,724 @@
+"""Benchmark of NVFP4 paged decode attention against a bf16 paged reader, dense attention and
+the memory ceiling.
+
+    python benchmarks/attention_bench.py              # the full grid (GPU); JSON + markdown + PNG
+    python benchmarks/attention_bench.py --quick      # a tiny grid, a smoke run (works on CPU)
+    python benchmarks/attention_bench.py --only kernel,bf16 --points 32x32768,ragged32 --repeats 5
+
+Grid: (batch, context) = (1, 131072), (8, 32768), (32, 8192), (32, 32768), (128, 1024),
+(128, 4096) and one ragged batch of 32 sequences with lengths drawn from 1..32768 (seed 0, block
+table as wide as the longest); 32 query heads over 8 kv heads, head size 128, pages of 16
+tokens, HND, swizzled V scales. Methods, all in one run: ``kernel`` (jax_nvfp4.paged_attention,
+impl="auto": the fused CUDA kernel on a GPU), ``jnp`` (impl="jnp": gathers every page of a
+row, dequantises to float32, attends; skipped where its float32 intermediates exceed a memory
+budget), ``bf16`` (jax_nvfp4.paged_attention_bf16 over a bf16 paged cache), ``dense``
+(jax.nn.dot_product_attention on a dense [batch, context, 8, 128] bf16 cache, cuDNN where it
+accepts the call, XLA otherwise; the label says which) and ``glue`` (the chaining glue of one
+step with no attention: an estimate of the overhead every other row includes). Caches are
+filled on the device with jax.random: NVFP4 pages are random code bytes with scale bytes in
+0x30..0x58 (finite E4M3, 0.5 to 16), k_scale = v_scale = 3/448; bf16 caches are normals.
+Every call reads its own random page order (a fresh permutation of the cache's pages).
+
+Timing method: device time per call from chained calls. n calls run in ONE compiled program;
+call i attends with its own query qs[i] + prev * 0 and its own block table tables[i] + z,
+where prev is call i-1's whole output and z = int(prev[0, 0, 0] * 0): XLA does not fold a
+float times zero, so every call depends on the previous one (no merging of calls, no dead
+code, no two calls in flight, no common gather shared between calls) at the cost of one or
+two tiny elementwise kernels per call (the ``glue`` row estimates them). The program's wall
+time is measured after block_until_ready, median of several runs (store_bench._time_program),
+for chain lengths n1 < n2; per call = (t(n2) - t(n1)) / (n2 - n1), so dispatch and the first
+launch cancel. A middle length nm checks that the time grows linearly (slope nm..n2 over slope
+n1..nm, reported as "lin"). Each method is timed twice, in two rounds over all methods of a
+grid point; the row reports the mean of the two and their spread (a difference between rows
+smaller than the spread is noise).
+
+Bytes per call: NVFP4, the pages the sequences need, sum over sequences of
+ceil(len / 16) pages x 2 sides x 8 kv heads x 16 tokens x 72 bytes; bf16 paged and dense,
+len x 8 kv heads x 128 x 2 bytes x 2 (K and V) summed. q and the output (batch x 32 x 128 x 2
+bytes each) are left out: 1.4% of the NVFP4 bytes at 128x1024, 0.35% at 128x4096, under 0.2%
+elsewhere (the log line of each point prints the share). Floor = bytes / ceiling, the ceiling being
+store_bench.measure_ceiling's copy / elementwise pass measured in the same run, which counts
+bytes read + written; attention only reads, so it can exceed 100% of that ceiling. The jnp
+readers read more than they are credited with (all pages of a row, padding included, and
+float32 K/V), and so does dense XLA on the ragged batch (the padded cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_nvfp4  # noqa: E402
+from jax_nvfp4 import layout as nv_layout  # noqa: E402
+
+import store_bench  # noqa: E402  (this folder: the ceiling and the program timer)
+
+GiB = store_bench.GiB
+BLOCK_SIZE = 16
+NUM_KV_HEADS = 8
+NUM_Q_HEADS = 32
+HEAD_SIZE = 128
+K_SCALE = V_SCALE = 3.0 / 448.0
+SCALE_BYTE_RANGE = (0x30, 0x58)  # finite E4M3 (0.5 .. 16); 0x7F / 0xFF would be NaN
+DECODE_TARGET = "jax_nvfp4_paged_attention"  # the FFI target of the CUDA kernel
+
+FULL_POINTS = [(1, 131072), (8, 32768), (32, 8192), (32, 32768), (128, 1024), (128, 4096)]
+FULL_RAGGED = (32, 32768)  # sequences, longest possible length
+QUICK_POINTS = [(2, 512)]
+QUICK_RAGGED = (4, 512)
+
+METHODS = ("kernel", "jnp", "bf16", "dense", "glue")
+LABELS = {"kernel": "nvfp4 kernel (impl=auto)", "jnp": "nvfp4 jnp (impl=jnp)",
+          "bf16": "bf16 paged (jnp)", "dense": "dense dpa", "glue": "chain glue (no attention)"}
+
+# Targets of the issue: % of the copy ceiling for the kernel, and the ragged batch's time over
+# its own bytes floor.
+TARGET_PCT = {"32x32768": 70, "8x32768": 70, "1x131072": 70, "128x4096": 70, "32x8192": 50,
+              "128x1024": 50}
+TARGET_RAGGED_X_FLOOR = 1.3
+
+
+def _ready(x):
+    jax.block_until_ready(x)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Grid points and their inputs (made on the device).
+
+
+def make_points(quick, seed):
+    regular, (n_ragged, longest) = ((QUICK_POINTS, QUICK_RAGGED) if quick
+                                    else (FULL_POINTS, FULL_RAGGED))
+    points = [{"name": f"{b}x{c}", "batch": b, "lens": np.full(b, c, np.int64)}
+              for b, c in regular]
+    lens = np.random.default_rng(seed).integers(1, longest, size=n_ragged, endpoint=True)
+    points.append({"name": f"ragged{n_ragged}", "batch": n_ragged, "lens": lens})
+    for p in points:
+        p["context"] = int(p["lens"].max())
+        p["pages"] = -(-p["lens"] // BLOCK_SIZE)
+        p["tokens"] = int(p["lens"].sum())
+        p["nvfp4_bytes"] = int(p["pages"].sum()) * 2 * NUM_KV_HEADS * BLOCK_SIZE \
+            * nv_layout.head_bytes(HEAD_SIZE)
+        p["bf16_bytes"] = p["tokens"] * NUM_KV_HEADS * HEAD_SIZE * 2 * 2
+        p["padded_tokens"] = p["batch"] * int(p["pages"].max()) * BLOCK_SIZE
+        p["q_out_bytes"] = 2 * p["batch"] * NUM_Q_HEADS * HEAD_SIZE * 2
+    return points
+
+
+def jnp_memory_estimate(point, method):
+    """Bytes of the intermediates of one call of a jnp reader, over every padded position of
+    every row (all max_blocks pages are gathered), with a margin for temporaries XLA may
+    materialise (a transpose, the unpacked codes)."""
+    if method == "jnp":  # gathered pages, unpacked codes, float32 K and V (x2), masked float32 V
+        per_token = NUM_KV_HEADS * (2 * nv_layout.head_bytes(HEAD_SIZE) + HEAD_SIZE * (2 + 16 + 4))
+    else:  # bf16: gathered bf16 K and V, float32 K and V, masked float32 V
+        per_token = NUM_KV_HEADS * HEAD_SIZE * (4 + 8 + 4)
+    return point["padded_tokens"] * per_token
+
+
+def memory_budget(fraction=0.5):
+    stats = None
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001  (some backends do not implement it)
+        pass
+    if stats and stats.get("bytes_limit"):
+        return int(fraction * stats["bytes_limit"])
+    try:  # CPU: the host's memory
+        return int(fraction * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 4 * GiB
+
+
+def _fill_nvfp4(key, num_blocks):
+    shape = jax_nvfp4.kv_cache_shape(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, "HND")
+    geo = nv_layout.CacheGeometry.from_shape(shape, "HND")
+    k_data, k_scales = jax.random.split(key)
+    data = jax.random.bits(k_data, (num_blocks, 2, geo.side_data_bytes), jnp.uint8)
+    scales = jax.random.randint(k_scales, (num_blocks, 2, geo.side_bytes - geo.side_data_bytes),
+                                SCALE_BYTE_RANGE[0], SCALE_BYTE_RANGE[1] + 1, dtype=jnp.uint8)
+    # A page side is its data region followed by its scale region (CacheGeometry.pages view).
+    return jnp.concatenate([data, scales], axis=-1).reshape(shape)
+
+
+def _normal(key, shape):
+    return jax.random.normal(key, shape, jnp.bfloat16)
+
+
+def _tables(key, index, num_blocks, n):
+    """n block tables [n, batch, max_blocks]: a fresh permutation of the cache's pages each,
+    sequence b taking entries index[b, j] of it; padding (index -1) is page 0."""
+    perms = jax.vmap(lambda k: jax.random.permutation(k, num_blocks))(jax.random.split(key, n))
+    pages = perms[:, jnp.maximum(index, 0)]
+    return jnp.where(index >= 0, pages, 0).astype(jnp.int32)
+
+
+def make_inputs(point, methods, n_calls, key):
+    """Device arrays of one grid point: only what the selected methods read."""
+    batch, lens, pages = point["batch"], point["lens"], point["pages"]
+    num_blocks, max_blocks = int(pages.sum()), int(pages.max())
+    first = np.concatenate([[0], np.cumsum(pages)[:-1]])
+    j = np.arange(max_blocks)
+    index = np.where(j[None, :] < pages[:, None], first[:, None] + j[None, :], -1)
+    keys = jax.random.split(key, 8)
+    inputs = {
+        "qs": jax.jit(_normal, static_argnums=1)(
+            keys[0], (n_calls, batch, NUM_Q_HEADS, HEAD_SIZE)),
+        "tables": jax.jit(_tables, static_argnums=(2, 3))(
+            keys[1], jnp.asarray(index, jnp.int32), num_blocks, n_calls),
+        "lens": jnp.asarray(lens, jnp.int32),
+        "arrays": {},
+    }
+    arrays = inputs["arrays"]
+    if {"kernel", "jnp"} & set(methods):
+        arrays["nvfp4"] = jax.jit(_fill_nvfp4, static_argnums=1)(keys[2], num_blocks)
+        arrays["k_scale"] = jnp.float32(K_SCALE)
+        arrays["v_scale"] = jnp.float32(V_SCALE)
+    if "bf16" in methods:
+        shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+        arrays["k_bf16"] = jax.jit(_normal, static_argnums=1)(keys[3], shape)
+        arrays["v_bf16"] = jax.jit(_normal, static_argnums=1)(keys[4], shape)
+    if "dense" in methods:
+        shape = (batch, point["context"], NUM_KV_HEADS, HEAD_SIZE)
+        arrays["k_dense"] = jax.jit(_normal, static_argnums=1)(keys[5], shape)
+        arrays["v_dense"] = jax.jit(_normal, static_argnums=1)(keys[6], shape)
+    return _ready(inputs)
+
+
+def free(tree):
+    for leaf in jax.tree_util.tree_leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods: attn(q [B, Hq, D] bf16, block table [B, M] int32, seq_lens [B] int32, arrays).
+
+_NEEDS = {"kernel": ("nvfp4", "k_scale", "v_scale"), "jnp": ("nvfp4", "k_scale", "v_scale"),
+          "bf16": ("k_bf16", "v_bf16"), "dense": ("k_dense", "v_dense"), "glue": ()}
+
+
+def nvfp4_attn(impl):
+    def attn(q, table, lens, a):
+        return jax_nvfp4.paged_attention(q, a["nvfp4"], table, lens, a["k_scale"], a["v_scale"],
+                                         layout="HND", v_scale_swizzle=True, impl=impl)
+    return attn
+
+
+def bf16_attn(q, table, lens, a):
+    return jax_nvfp4.paged_attention_bf16(q, a["k_bf16"], a["v_bf16"], table, lens)
+
+
+def glue_attn(q, table, lens, a):
+    # Consumes the table and the lengths so that their glue is not dropped; the barrier keeps
+    # XLA from fusing the whole chain into one elementwise kernel (an attention call, a custom
+    # call or a dot, is no fusion either).
+    return jax.lax.optimization_barrier(
+        q + (table[:, :1, None] + lens[:, None, None]).astype(q.dtype) * 0)
+
+
+def dense_variants(ragged):
+    """(implementation, masking) to try in order, from what this jax's signature accepts."""
+    params = inspect.signature(jax.nn.dot_product_attention).parameters
+    impls = ["cudnn", "xla"] if "implementation" in params else [None]
+    if not ragged:
+        maskings = [None]
+    else:
+        maskings = [m for m, ok in (("kv_seqlens", "key_value_seq_lengths" in params),
+                                    ("mask", "mask" in params)) if ok] or ["none (attends padding)"]
+    return [(i, m) for i in impls for m in maskings]
+
+
+def dense_attn(implementation, masking):
+    def attn(q, table, lens, a):
+        k, v = a["k_dense"], a["v_dense"]
+        kwargs = {} if implementation is None else {"implementation": implementation}
+        if masking == "kv_seqlens":
+            kwargs["key_value_seq_lengths"] = lens
+        elif masking == "mask":
+            positions = jnp.arange(k.shape[1], dtype=jnp.int32)
+            kwargs["mask"] = (positions[None, :] < lens[:, None])[:, None, None, :]
+        return jax.nn.dot_product_attention(q[:, None], k, v, **kwargs)[:, 0]
+    return attn
+
+
+def dense_label(implementation, masking):
+    parts = [implementation or "default"] + ([masking] if masking else [])
+    return f"dense dpa ({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Chained programs.
+
+
+def make_step(attn):
+    def step(prev, q, table, lens, arrays):
+        q = q + prev * 0                                   # depends on all of the previous output
+        z = (prev[0, 0, 0] * 0).astype(jnp.int32)          # so does the gather of the pages
+        return attn(q, table + z, lens, arrays).astype(prev.dtype)
+    return step
+
+
+def chain_program(step, n):
+    """n chained calls in one program; the previous output (the carry) is donated."""
+    def program(prev, qs, tables, lens, arrays):
+        for i in range(n):
+            prev = step(prev, qs[i], tables[i], lens, arrays)
+        return prev
+    return jax.jit(program, donate_argnums=0)
+
+
+class Method:
+    """One method at one grid point: its programs (compiled once), carry and timings."""
+
+    def __init__(self, key, label, attn, inputs):
+        self.key, self.label = key, label
+        self.step = make_step(attn)
+        self.args = (inputs["qs"], inputs["tables"], inputs["lens"],
+                     {k: inputs["arrays"][k] for k in _NEEDS[key]})
+        self.programs = {}
+        self.carry = None
+        self.rounds = []
+        self.linearity = None
+        self.first_out = None
+        self.lowered_text = ""
+
+    def program(self, n):
+        if n not in self.programs:
+            self.programs[n] = chain_program(self.step, n)
+        return self.programs[n]
+
+    def start(self, check_hlo=False):
+        """Compiles and runs one call (sanity output kept on the host), times it."""
+        qs = self.args[0]
+        carry = jnp.zeros(qs.shape[1:], qs.dtype)
+        one = self.program(1)
+        if check_hlo:
+            self.lowered_text = one.lower(carry, *self.args).compile().as_text() or ""
+        out = _ready(one(carry, *self.args))
+        self.first_out = np.asarray(out.astype(jnp.float32))
+        samples = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            out = _ready(one(out, *self.args))
+            samples.append(time.perf_counter() - t0)
+        self.carry = out
+        return statistics.median(samples)  # an over-estimate: includes dispatch
+
+    def time_round(self, lengths, repeats):
+        t = {}
+        for n in lengths:
+            t[n], self.carry = store_bench._time_program(self.program(n), self.carry, self.args,
+                                                         repeats)
+        n1, n2 = lengths[0], lengths[-1]
+        per_call = max(t[n2] - t[n1], 0.0) / (n2 - n1)
+        if len(lengths) == 3:
+            nm = lengths[1]
+            first, second = (t[nm] - t[n1]) / (nm - n1), (t[n2] - t[nm]) / (n2 - nm)
+            self.linearity = second / first if first > 0 else float("nan")
+        self.rounds.append(per_call)
+        return per_call
+
+    def close(self):
+        if self.carry is not None and not self.carry.is_deleted():
+            self.carry.delete()
+        self.programs.clear()
+
+
+def chain_lengths(single_s, target_s, n_min, n_max):
+    n2 = int(min(max(target_s / max(single_s, 1e-7), n_min), n_max))
+    n1 = 2 if n2 >= 4 else 1
+    return n1, (n1 + n2) // 2, n2
+
+
+def _first_line(e):
+    text = f"{type(e).__name__}: {e}".strip().splitlines()
+    return text[0][:300] if text else type(e).__name__
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_point(point, args, ceiling_bps, budget, key, log):
+    methods = [m for m in METHODS if m in args.only]
+    skipped = []
+    for m in ("jnp", "bf16"):
+        if m in methods:
+            need = jnp_memory_estimate(point, m)
+            if need > budget:
+                methods.remove(m)
+                why = (f"float32 intermediates ~{need / GiB:.3g} GiB > budget "
+                       f"{budget / GiB:.3g} GiB (--jnp-budget-gib)")
+                skipped.append({"point": point["name"], "method": m, "why": why})
+                log(f"  skip {LABELS[m]}: {why}")
+    inputs = make_inputs(point, methods, args.max_chain, key)
+    on_gpu = jax.devices()[0].platform == "gpu"
+    built = []
+    try:
+        for m in methods:
+            if m == "dense":
+                variants = dense_variants(point["name"].startswith("ragged"))
+            else:
+                variants = [None]
+            for variant in variants:
+                if m == "dense":
+                    method = Method(m, dense_label(*variant), dense_attn(*variant), inputs)
+                else:
+                    attn = {"kernel": nvfp4_attn("auto"), "jnp": nvfp4_attn("jnp"),
+                            "bf16": bf16_attn, "glue": glue_attn}[m]
+                    method = Method(m, LABELS[m], attn, inputs)
+                try:
+                    single = method.start(check_hlo=(m == "kernel" and on_gpu))
+                except Exception as e:  # noqa: BLE001  (a variant that does not run is skipped)
+                    method.close()
+                    why = _first_line(e)
+                    skipped.append({"point": point["name"], "method": method.label, "why": why})
+                    log(f"  {method.label}: does not run here ({why})")
+                    continue
+                cap = {"jnp": args.max_chain_jnp, "bf16": args.max_chain_jnp,
+                       "dense": args.max_chain_dense}.get(m, args.max_chain)
+                # Calls of 10 ms and more: 2 calls of difference are far above the host's jitter.
+                n_min = min(args.min_chain, 4) if single > 0.01 else args.min_chain
+                method.lengths = chain_lengths(single, args.target_seconds, n_min,
+                                               max(min(cap, args.max_chain), n_min))
+                built.append(method)
+                break
+        _sanity(built, log)
+        for round_index in range(2):
+            for method in built:
+                lengths = method.lengths if round_index == 0 else method.lengths[::2]
+                try:
+                    method.time_round(lengths, args.repeats)
+                except Exception as e:  # noqa: BLE001  (e.g. out of memory in a long chain)
+                    why = _first_line(e)
+                    log(f"  {method.label}: timing failed ({why})")
+                    skipped.append({"point": point["name"], "method": method.label, "why": why})
+                    method.rounds = []
+                    method.close()
+            built = [m for m in built if m.carry is not None and not m.carry.is_deleted()]
+        return [_row(point, m, ceiling_bps) for m in built if len(m.rounds) == 2], skipped
+    finally:
+        for method in built:
+            method.close()
+        free(inputs)
+        jax.clear_caches()
+
+
+def _sanity(built, log):
+    by_key = {m.key: m for m in built}
+    for m in built:
+        if m.key != "kernel" and not np.isfinite(m.first_out).all():
+            log(f"  WARNING: {m.label}: first output is not finite")
+    kernel = by_key.get("kernel")
+    if kernel is None:
+        return
+    out = kernel.first_out
+    finite = bool(np.isfinite(out).all())
+    platform = jax.devices()[0].platform
+    if platform != "gpu":
+        how = f"runs the jnp path on {platform}"
+    elif DECODE_TARGET in kernel.lowered_text:
+        how = f"runs the CUDA kernel ({DECODE_TARGET} in the compiled HLO)"
+    else:
+        how = f"WARNING: no {DECODE_TARGET} call in the compiled HLO: the jnp path ran"
+    log(f"  sanity: kernel output {'finite' if finite else 'NOT FINITE'} "
+        f"(max |out| {np.nanmax(np.abs(out)):.3g}); impl=auto {how}")
+    if "jnp" in by_key:
+        ref = by_key["jnp"].first_out
+        err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+        log(f"  sanity: |kernel - jnp| / |jnp| = {err:.2e} (same q and block table)")
+
+
+def _row(point, method, ceiling_bps):
+    r1, r2 = method.rounds
+    per_call = (r1 + r2) / 2
+    nbytes = {"kernel": point["nvfp4_bytes"], "jnp": point["nvfp4_bytes"],
+              "bf16": point["bf16_bytes"], "dense": point["bf16_bytes"]}.get(method.key)
+    row = {"point": point["name"], "batch": point["batch"], "context": point["context"],
+           "tokens": point["tokens"], "method": method.key, "label": method.label,
+           "us_per_call": per_call * 1e6, "us_round1": r1 * 1e6, "us_round2": r2 * 1e6,
+           "spread_pct": 100 * abs(r1 - r2) / per_call if per_call > 0 else float("nan"),
+           "linearity": method.linearity, "chain_lengths": list(method.lengths), "bytes": nbytes,
+           "GBps": None, "pct_ceiling": None, "x_floor": None}
+    if nbytes and per_call > 0:
+        row["GBps"] = nbytes / per_call / 1e9
+        row["pct_ceiling"] = 100 * nbytes / per_call / ceiling_bps
+        row["x_floor"] = per_call / (nbytes / ceiling_bps)
+    return row
+
+
+def add_speedups(rows):
+    for r in rows:
+        if r["method"] == "glue":
+            r["vs_bf16"] = r["vs_dense"] = None
+            continue
+        same = {x["method"]: x for x in rows if x["point"] == r["point"]}
+        for ref, field in (("bf16", "vs_bf16"), ("dense", "vs_dense")):
+            other = same.get(ref)
+            r[field] = (other["us_per_call"] / r["us_per_call"]
+                        if other and r["us_per_call"] > 0 and other["us_per_call"] > 0 else None)
+
+
+def evaluate_targets(result):
+    kernel = {r["point"]: r for r in result["rows"] if r["method"] == "kernel"}
+    ragged = [p["name"] for p in result["points"] if p["name"].startswith("ragged")]
+    checks = []
+    for name, pct in TARGET_PCT.items():
+        r = kernel.get(name)
+        if r is None or r["pct_ceiling"] is None:
+            checks.append({"point": name, "target": f">= {pct}% of ceiling", "value": None,
+                           "status": "not run"})
+            continue
+        ok = r["pct_ceiling"] >= pct
+        margin = abs(r["pct_ceiling"] - pct) / pct * 100
+        checks.append({"point": name, "target": f">= {pct}% of ceiling",
+                       "value": f"{r['pct_ceiling']:.1f}%", "status": "PASS" if ok else "FAIL",
+                       "within_noise": margin < r["spread_pct"]})
+    for name in ragged or ["ragged32"]:
+        r = kernel.get(name)
+        target = f"<= {TARGET_RAGGED_X_FLOOR}x its bytes floor"
+        if r is None or r["x_floor"] is None:
+            checks.append({"point": name, "target": target, "value": None, "status": "not run"})
+            continue
+        ok = r["x_floor"] <= TARGET_RAGGED_X_FLOOR
+        margin = abs(r["x_floor"] - TARGET_RAGGED_X_FLOOR) / TARGET_RAGGED_X_FLOOR * 100
+        checks.append({"point": name, "target": target, "value": f"{r['x_floor']:.2f}x",
+                       "status": "PASS" if ok else "FAIL",
+                       "within_noise": margin < r["spread_pct"]})
+    return checks
+
+
+def run(args):
+    device = jax.devices()[0]
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    log(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
+        f"date {time.strftime('%Y-%m-%d')}")
+    ceiling = store_bench.measure_ceiling(args.ceiling_bytes, args.repeats)
+    ceil_bps = ceiling["ceiling_Bps"]
+    log(f"ceiling: elementwise {ceiling['elementwise_Bps'] / 1e12:.2f} TB/s, device_put copy "
+        f"{ceiling['device_put_copy_Bps'] / 1e12:.2f} TB/s over "
+        f"{args.ceiling_bytes / GiB:.2f} GiB (read + write)")
+    budget = int(args.jnp_budget_gib * GiB) if args.jnp_budget_gib else memory_budget()
+    log(f"memory budget of the jnp readers' float32 intermediates: {budget / GiB:.1f} GiB")
+    key = jax.random.key(args.seed)
+    rows, skipped, points_out = [], [], []
+    for index, point in enumerate(args.points):
+        log(f"{point['name']}: batch {point['batch']}, longest {point['context']}, "
+            f"{point['tokens']} tokens; NVFP4 {point['nvfp4_bytes'] / 1e6:.1f} MB "
+            f"(floor {point['nvfp4_bytes'] / ceil_bps * 1e6:.1f} us), bf16 "
+            f"{point['bf16_bytes'] / 1e6:.1f} MB (floor {point['bf16_bytes'] / ceil_bps * 1e6:.1f} us); "
+            f"q + out {100 * point['q_out_bytes'] / point['nvfp4_bytes']:.2f}% of the NVFP4 bytes, "
+            "not counted")
+        try:
+            point_rows, point_skipped = run_point(point, args, ceil_bps, budget,
+                                                  jax.random.fold_in(key, index), log)
+        except Exception as e:  # noqa: BLE001  (e.g. the inputs do not fit: go on with the next)
+            why = _first_line(e)
+            log(f"  {point['name']} failed: {why}")
+            point_rows, point_skipped = [], [{"point": point["name"], "method": "all",
+                                              "why": why}]
+            jax.clear_caches()
+        for r in point_rows:
+            lin = "" if r["linearity"] is None else f" lin {r['linearity']:.2f}"
+            bw = "" if r["GBps"] is None else (f" {r['GBps']:8.1f} GB/s "
+                                                f"{r['pct_ceiling']:6.1f}% of ceiling")
+            log(f"  {r['label']:<34} {r['us_per_call']:10.2f} us (rounds {r['us_round1']:.2f}, "
+                f"{r['us_round2']:.2f}; n {r['chain_lengths']}{lin}){bw}")
+            if (not args.quick and r["linearity"] is not None
+                    and not 0.8 <= r["linearity"] <= 1.25):
+                log(f"  WARNING: {r['label']}: chain time not linear in its length "
+                    f"(lin {r['linearity']:.2f}): calls may be merged or the timing is noisy")
+        rows += point_rows
+        skipped += point_skipped
+        points_out.append({k: (v.tolist() if isinstance(v, np.ndarray) else v)
+                           for k, v in point.items() if k != "pages"})
+    add_speedups(rows)
+    result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
+              "date": time.strftime("%Y-%m-%d"), "ceiling": ceiling,
+              "jnp_budget_bytes": budget, "points": points_out, "rows": rows,
+              "skipped": skipped,
+              "config": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS,
+                         "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE, "layout": "HND",
+                         "v_scale_swizzle": True, "repeats": args.repeats, "seed": args.seed,
+                         "quick": args.quick},
+              "method_note": __doc__.split("\n\n")[3]}
+    result["targets"] = evaluate_targets(result)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Output.
+
+
+def _fmt(x, spec, none="-"):
+    return none if x is None else format(x, spec)
+
+
+def targets_text(result):
+    lines = ["Targets (kernel, NVFP4 bytes):"]
+    for c in result["targets"]:
+        noise = " (margin within the timing spread)" if c.get("within_noise") else ""
+        lines.append(f"  {c['point']:<10} {c['target']:<28} {c['value'] or '-':>8}  "
+                     f"{c['status']}{noise}")
+    return "\n".join(lines)
+
+
+def markdown(result):
+    c = result["ceiling"]
+    q_out_share = max((100 * p["q_out_bytes"] / p["nvfp4_bytes"] for p in result["points"]),
+                      default=0.0)
+    lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
+             f"{c['ceiling_Bps'] / 1e12:.2f} TB/s (read + write; elementwise "
+             f"{c['elementwise_Bps'] / 1e12:.2f}, device_put copy "
+             f"{c['device_put_copy_Bps'] / 1e12:.2f}); decode only reads, so % of ceiling can "
+             f"exceed 100. {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head size {HEAD_SIZE}, "
+             f"pages of {BLOCK_SIZE}, HND, swizzled V scales. GB/s counts the cache bytes the "
+             "sequences need (NVFP4 for nvfp4 rows, bf16 otherwise; q and out left out: at most "
+             f"{q_out_share:.2g}% of the NVFP4 bytes). "
+             "x floor: time over the row's bytes floor. vs bf16 / vs dense: their time over "
+             "this row's. Spread: the two timings of the row, apart.", "",
+             "| point | method | µs / call | spread % | GB/s | % of ceiling | x floor | "
+             "vs bf16 paged | vs dense |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    ceil_bps = c["ceiling_Bps"]
+    for p in result["points"]:
+        for r in (r for r in result["rows"] if r["point"] == p["name"]):
+            lines.append(
+                f"| {r['point']} | {r['label']} | {r['us_per_call']:.2f} | "
+                f"{r['spread_pct']:.1f} | {_fmt(r['GBps'], '.1f')} | "
+                f"{_fmt(r['pct_ceiling'], '.1f')} | {_fmt(r['x_floor'], '.2f')} | "
+                f"{_fmt(r.get('vs_bf16'), '.2f')} | {_fmt(r.get('vs_dense'), '.2f')} |")
+        if any(r["point"] == p["name"] for r in result["rows"]):
+            for what, key in (("NVFP4", "nvfp4_bytes"), ("bf16", "bf16_bytes")):
+                lines.append(f"| {p['name']} | floor: {what} bytes "
+                             f"({p[key] / 1e6:.1f} MB) | {p[key] / ceil_bps * 1e6:.2f} | | "
+                             f"{ceil_bps / 1e9:.1f} | 100.0 | 1.00 | | |")
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [p["name"] for p in result["points"]
+             if any(r["point"] == p["name"] for r in result["rows"])]
+    methods = [m for m in METHODS if m != "glue" and any(r["method"] == m for r in result["rows"])]
+    if not names or not methods:
+        return
+    rows = {(r["point"], r["method"]): r for r in result["rows"]}
+    points = {p["name"]: p for p in result["points"]}
+    ceil_bps = result["ceiling"]["ceiling_Bps"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+    width = 0.8 / len(methods)
+    x = np.arange(len(names))
+    for i, m in enumerate(methods):
+        rs = [rows.get((n, m)) for n in names]
+        label = next(r["label"] for r in rs if r) if any(rs) else m
+        offset = x - 0.4 + width * (i + 0.5)
+        axes[0].bar(offset, [r["us_per_call"] if r else np.nan for r in rs], width, label=label)
+        axes[1].bar(offset, [r["pct_ceiling"] if r and r["pct_ceiling"] else np.nan for r in rs],
+                    width, label=label)
+    for j, n in enumerate(names):
+        for key, style, label in (("nvfp4_bytes", "k-", "NVFP4 bytes floor"),
+                                  ("bf16_bytes", "k--", "bf16 bytes floor")):
+            axes[0].plot([j - 0.45, j + 0.45], [points[n][key] / ceil_bps * 1e6] * 2, style,
+                         lw=1.2, label=label if j == 0 else None)
+    axes[0].set(yscale="log", ylabel="µs per call (log)",
+                title=f"decode attention, {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, D={HEAD_SIZE} "
+                      f"({result['device']})")
+    axes[1].set(yscale="log", ylabel="% of measured copy ceiling (log)",
+                title="cache bytes needed / time / ceiling")
+    for pct in sorted(set(TARGET_PCT.values())):
+        axes[1].axhline(pct, color="gray", lw=0.8, ls=":")
+    for ax in axes:
+        ax.set_xticks(x, names, rotation=20)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left", framealpha=0.8)
+    axes[1].legend(fontsize=7, loc="lower left", framealpha=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _csv(text, allowed, what):
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in items if allowed is not None and s not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (choose from {', '.join(allowed)})")
+    return items
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a tiny grid (a smoke run, e.g. on CPU)")
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "out"),
+                   help="folder for the JSON, table and PNG (default benchmarks/out)")
+    p.add_argument("--only", default=",".join(METHODS),
+                   help=f"comma-separated methods among {','.join(METHODS)} (default all)")
+    p.add_argument("--points", default=None,
+                   help="comma-separated grid points, e.g. 32x32768,ragged32 (default all)")
+    p.add_argument("--repeats", type=int, default=None, help="runs per median (default 7, quick 3)")
+    p.add_argument("--target-seconds", type=float, default=None,
+                   help="length of the longer chain, in seconds (default 0.05)")
+    p.add_argument("--max-chain", type=int, default=None, help="longest chain (default 200)")
+    p.add_argument("--max-chain-jnp", type=int, default=16,
+                   help="longest chain of the jnp readers (their programs are large)")
+    p.add_argument("--max-chain-dense", type=int, default=64,
+                   help="longest chain of dense attention (each cuDNN call is its own graph)")
+    p.add_argument("--jnp-budget-gib", type=float, default=None,
+                   help="memory budget of the jnp readers' float32 intermediates (default half "
+                        "of the device's memory limit)")
+    p.add_argument("--ceiling-gib", type=float, default=None,
+                   help="buffer of the ceiling measurement (default 2, quick 1/16)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    args.only = _csv(args.only, METHODS, "method")
+    quick = args.quick
+    args.repeats = args.repeats or (3 if quick else 7)
+    args.target_seconds = args.target_seconds if args.target_seconds is not None else (
+        0.0 if quick else 0.05)
+    args.max_chain = args.max_chain or (3 if quick else 200)
+    args.min_chain = 3 if quick else 8
+    args.ceiling_bytes = int((args.ceiling_gib or (1 / 16 if quick else 2)) * GiB)
+    points = make_points(quick, args.seed)
+    if args.points:
+        wanted = _csv(args.points, [p["name"] for p in points], "point")
+        points = [p for p in points if p["name"] in wanted]
+    args.points = points
+    os.makedirs(args.out, exist_ok=True)
+    result = run(args)
+    table = markdown(result)
+    with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "attention_bench.md"), "w") as f:
+        f.write(targets_text(result) + "\n\n" + table + "\n")
+    try:
+        plot(result, os.path.join(args.out, "attention_bench.png"))
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+    print()
+    print(targets_text(result))
+    print()
+    print(table, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,665 @@
+// Decode attention over the NVFP4 paged cache on the GPU (jax_nvfp4.paged_attention), sm_89+.
+//
+// One CTA (4 warps) attends for one (member, sequence, kv head, group of up to 8 query heads)
+// over one split of the sequence's positions (split-KV); each warp takes chunks of 16 or 32
+// positions, keeps its own online softmax, and the warps merge through shared memory. With
+// several splits a second kernel merges the splits' partial results (log-sum-exp weighted).
+//
+// Per chunk, on the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate):
+//   S^T = K Q^T   tokens in M (16 per tile), head dims in K, query heads in N (8),
+//   O^T += V^T P^T  head dims in M, tokens in K, query heads in N.
+// K and V never leave registers: each lane loads the code bytes its MMA fragments need and
+// turns them into fp16 in a few integer operations (e2m1x8_to_f16x2), exactly: an E2M1 value
+// times an E4M3 block scale has at most 6 significant bits and, scaled as below, lies within
+// fp16's range down to its subnormals, so it is exact in fp16. Since a dot product does not care in
+// which order its terms come, each lane's head dimensions are a permutation chosen so that the
+// fragments come straight out of its own loads; q is permuted the same way once per CTA, and
+// the output is written back in true order.
+//
+// Numbers: K_f16 = code * 2^-14 * (block scale * 2^7), so K = K_f16 * k_scale * 2^7 (likewise
+// V); q is rounded to fp16 after a power-of-two scale 2^e per head that puts its largest
+// element in [2^14, 2^15); scores are S_acc * k_scale * sm_scale * 2^(7-e), in log2 units for
+// exp2. P is rounded to fp16 for the second MMA; every sum is float32.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda_common.cuh"
+#include "decode_ffi.h"
+#include "handlers.h"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA's N
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ------------------------------------------------------------------------------------------
+// Register-level helpers.
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 matrix of 16-bit values held one row-pair per lane (row lane/4, columns
+// 2*(lane%4), +1), in the same layout.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Packed fp16 product, subnormals kept (no .ftz): the products below must be exact.
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  return __byte_perm(a, b, selector);
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Eight E2M1 codes (code i in bits 4i..4i+3 of w) as four f16x2 words of value * 2^-14,
+// exactly: a code's magnitude bits (e1 e0 m) become the fp16 bits 11..9 (exponent e, mantissa
+// m: 2^(e-15) * (1 + m/2), or the subnormal 2^-14 * m/2 for e = 0), its sign bit 15.
+//   r[0] = (code 0, code 4), r[1] = (code 2, code 6), r[2] = (code 1, code 5),
+//   r[3] = (code 3, code 7)   (low half, high half).
+// Each output takes its two codes from a copy of w in which every other nibble is zero, so the
+// shifted copies never put a foreign bit into the kept positions (mask 0x8E00 per half).
+__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&r)[4]) {
+  constexpr uint32_t kKeep = 0x8E008E00u;
+  const uint32_t even = w & 0x0F0F0F0Fu, odd = w & 0xF0F0F0F0u;
+  r[0] = ((even << 9) | (even << 12)) & kKeep;
+  r[1] = ((even << 1) | (even << 4)) & kKeep;
+  r[2] = ((odd << 5) | (odd << 8)) & kKeep;
+  r[3] = ((odd >> 3) | odd) & kKeep;
+}
+
+// Two E4M3 bytes (low byte -> low half) as f16x2 of value * 2^7: exact (|448 * 2^7| < 65504,
+// subnormals included), NaN (0x7F/0xFF) stays NaN.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_x128(uint32_t two_bytes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two_bytes & 0xFFFFu), __NV_E4M3);
+  return hmul2(uint32_t(h.x) | (uint32_t(h.y) << 16), 0x58005800u);  // x 128
+}
+
+template <int kBytes>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ uint32_t load_small(const uint8_t* p) {
+  if constexpr (kBytes == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+  else if constexpr (kBytes == 2) return __ldg(reinterpret_cast<const uint16_t*>(p));
+  else return __ldg(p);
+}
+
+// ------------------------------------------------------------------------------------------
+// Shapes derived from the head size.
+
+template <int kHead>
+struct Shape {
+  static constexpr int kKTiles = kHead / 16;        // MMA k-steps of S (= m-tiles of O)
+  static constexpr int kScales = kHead / 16;        // E4M3 scales per (head, token)
+  static constexpr int kKWords = kHead / 32;        // K code words a lane loads per token
+  static constexpr int kKScaleBytes = kHead / 64;   // its K scales (contiguous, linear)
+  static constexpr int kVWords = kHead / 64;        // V code words a lane loads per token
+  static constexpr int kVBlocks = kHead >= 256 ? kHead / 128 : 1;  // V scale blocks a lane needs
+  static constexpr int kTiles = kHead >= 256 ? 1 : 2;  // 16-token tiles per chunk (registers)
+  static constexpr int kChunk = 16 * kTiles;
+};
+
+// The positions a lane loads in a chunk: K of tokens g + 8i, V of token pairs 2q + 8i (+1),
+// i < 2 * kTiles (g = lane / 4, q = lane % 4), with their scales.
+template <int kHead>
+struct Chunk {
+  using S = Shape<kHead>;
+  uint32_t k[2 * S::kTiles][S::kKWords];
+  uint32_t k_scale[2 * S::kTiles];
+  uint32_t v[2 * S::kTiles][2][S::kVWords];
+  uint32_t v_scale[2 * S::kTiles][S::kVBlocks];  // low byte: token 2q + 8i; next: its pair
+};
+
+// Everything a CTA needs to find a position's bytes.
+struct PageView {
+  const uint8_t* cache;    // this member's cache
+  const int32_t* table;    // this sequence's row of block_tables
+  int64_t page_bytes;      // 2 * side bytes
+  int32_t side_bytes;
+  int32_t side_data;       // data region bytes of one side
+  int32_t head_row;        // plane row of (this kv head, row 0)
+  int32_t row_stride;      // plane rows between consecutive token rows (1 HND, heads NHD)
+  int32_t last_page;       // num_blocks - 1
+  FastDivmod block_size;
+  bool chunk_in_page;      // block_size % chunk == 0: a chunk never crosses a page
+
+  // Byte offset of a position's page (from `cache`) and its row in the page.
+  __device__ __forceinline__ int64_t locate(uint32_t position, uint32_t* row) const {
+    const uint32_t index = block_size.divmod(position, row);
+    const int32_t page = min(max(__ldg(table + index), 0), last_page);
+    return int64_t(page) * page_bytes;
+  }
+  __device__ __forceinline__ int32_t plane_row(uint32_t row) const {
+    return head_row + int32_t(row) * row_stride;
+  }
+};
+
+template <int kHead, bool kSwizzle>
+__device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView& pv, uint32_t base,
+                                           uint32_t end, int lane) {
+  using S = Shape<kHead>;
+  const int g = lane >> 2, qd = lane & 3;
+  uint32_t chunk_row = 0;
+  int64_t chunk_page = 0;
+  if (pv.chunk_in_page) chunk_page = pv.locate(base, &chunk_row);
+#pragma unroll
+  for (int i = 0; i < 2 * S::kTiles; ++i) {
+    const uint32_t pos = base + g + 8 * i;
+#pragma unroll
+    for (int w = 0; w < S::kKWords; ++w) c.k[i][w] = 0;
+    c.k_scale[i] = 0;
+    if (pos < end) {
+      uint32_t row = chunk_row + g + 8 * i;
+      const int64_t page = pv.chunk_in_page ? chunk_page : pv.locate(pos, &row);
+      const uint8_t* side = pv.cache + page;
+      const int32_t prow = pv.plane_row(row);
+      load_words<kHead / 8>(side + prow * (kHead / 2) + qd * (kHead / 8), c.k[i]);
+      c.k_scale[i] = load_small<S::kKScaleBytes>(side + pv.side_data + prow * S::kScales +
+                                                 qd * S::kKScaleBytes);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2 * S::kTiles; ++i) {
+    const uint32_t pos = base + 2 * qd + 8 * i;  // even: pos and pos + 1 share a page
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int w = 0; w < S::kVWords; ++w) c.v[i][t][w] = 0;
+#pragma unroll
+    for (int b = 0; b < S::kVBlocks; ++b) c.v_scale[i][b] = 0;
+    if (pos < end) {
+      const bool second = pos + 1 < end;
+      uint32_t row = chunk_row + 2 * qd + 8 * i;
+      const int64_t page = pv.chunk_in_page ? chunk_page : pv.locate(pos, &row);
+      const uint8_t* side = pv.cache + page + pv.side_bytes;
+      const int32_t prow = pv.plane_row(row), prow1 = pv.plane_row(row + 1);
+      load_words<kHead / 16>(side + prow * (kHead / 2) + g * (kHead / 16), c.v[i][0]);
+      if (second)
+        load_words<kHead / 16>(side + prow1 * (kHead / 2) + g * (kHead / 16), c.v[i][1]);
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b) {
+        const int s = (kHead / 16) * g / 8 + b;  // the lane's scale block
+        uint32_t bytes;
+        if constexpr (kSwizzle) {
+          // Rows 4(row/4) + s/G, columns (s%G)*4 + row%4 (format §4): the pair is adjacent.
+          constexpr int kGroup = S::kScales / 4;
+          const int32_t srow = pv.plane_row((row & ~3u) + s / kGroup);
+          bytes = load_small<2>(side + pv.side_data + srow * S::kScales +
+                                (s % kGroup) * 4 + int32_t(row & 3u));
+        } else {
+          bytes = load_small<1>(side + pv.side_data + prow * S::kScales + s);
+          if (second) bytes |= load_small<1>(side + pv.side_data + prow1 * S::kScales + s) << 8;
+        }
+        c.v_scale[i][b] = second ? bytes : (bytes & 0xFFu);
+      }
+    }
+  }
+}
+
+// The online-softmax state of one warp: query heads 2q and 2q+1 of this lane (columns of the
+// MMA's N), running max m (log2 units, the same in every lane of a column), the lane's part
+// of the running sum l, and the O^T accumulators (m-tile t: rows g and g+8 are head dims
+// lane_dim(t) and lane_dim(t) + 1, columns the two heads).
+template <int kHead>
+struct WarpState {
+  float m[2], l[2];
+  float o[Shape<kHead>::kKTiles][4];
+};
+
+template <int kHead>
+__device__ __forceinline__ void process_chunk(const Chunk<kHead>& c, WarpState<kHead>& st,
+                                              const uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+                                              const float (&score_scale)[2], uint32_t base,
+                                              uint32_t end, int lane) {
+  using S = Shape<kHead>;
+  const int g = lane >> 2;
+
+  // K block scales, f16x2 broadcast, one per (token, code word pair).
+  float s[S::kTiles][4];
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) {
+    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    uint32_t scale_words[2][S::kKScaleBytes];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const uint32_t bytes = c.k_scale[2 * tile + t];
+#pragma unroll
+      for (int b = 0; b < S::kKScaleBytes; b += 2) {
+        const uint32_t pair = e4m3x2_to_f16x2_x128(bytes >> (8 * b));
+        scale_words[t][b] = prmt(pair, pair, 0x1010);
+        if (b + 1 < S::kKScaleBytes) scale_words[t][b + 1] = prmt(pair, pair, 0x3232);
+      }
+    }
+#pragma unroll
+    for (int w = 0; w < S::kKWords; ++w) {
+      uint32_t ra[4], rb[4];  // rows g and g + 8 of this tile
+      e2m1x8_to_f16x2(c.k[2 * tile][w], ra);
+      e2m1x8_to_f16x2(c.k[2 * tile + 1][w], rb);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        ra[r] = hmul2(ra[r], scale_words[0][w / 2]);
+        rb[r] = hmul2(rb[r], scale_words[1][w / 2]);
+      }
+      const uint32_t a0[4] = {ra[0], rb[0], ra[1], rb[1]};
+      const uint32_t a1[4] = {ra[2], rb[2], ra[3], rb[3]};
+      mma_16816(acc[0], a0, qf[2 * w][0], qf[2 * w][1]);
+      mma_16816(acc[1], a1, qf[2 * w + 1][0], qf[2 * w + 1][1]);
+    }
+#pragma unroll
+    for (int r = 0; r < 4; ++r) s[tile][r] = (acc[0][r] + acc[1][r]) * score_scale[r & 1];
+  }
+
+  // Positions past the end (of the split or the sequence) never count, whatever they hold.
+  if (base + S::kChunk > end) {
+#pragma unroll
+    for (int tile = 0; tile < S::kTiles; ++tile) {
+      const uint32_t pos = base + 16 * tile + g;
+      if (pos >= end) s[tile][0] = s[tile][1] = -INFINITY;
+      if (pos + 8 >= end) s[tile][2] = s[tile][3] = -INFINITY;
+    }
+  }
+
+  float top[2] = {st.m[0], st.m[1]};
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) top[r & 1] = fmaxf(top[r & 1], s[tile][r]);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int delta = 4; delta < 32; delta *= 2)
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xFFFFFFFFu, top[h], delta));
+  float alpha[2], offset[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
+    alpha[h] = exp2_approx(st.m[h] - offset[h]);
+    st.m[h] = top[h];
+    st.l[h] *= alpha[h];
+  }
+  float p[S::kTiles][4];
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      p[tile][r] = exp2_approx(s[tile][r] - offset[r & 1]);
+      st.l[r & 1] += p[tile][r];
+    }
+#pragma unroll
+  for (int t = 0; t < S::kKTiles; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) st.o[t][r] *= alpha[r & 1];
+
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) {
+    // P^T as the B operand: column (query head) g, rows (tokens) 2q, 2q+1 and 2q+8, 2q+9.
+    const uint32_t p0 = transpose_8x8(pack_f16x2(p[tile][0], p[tile][1]));
+    const uint32_t p1 = transpose_8x8(pack_f16x2(p[tile][2], p[tile][3]));
+    uint32_t scale[2][S::kVBlocks];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b)
+        scale[half][b] = e4m3x2_to_f16x2_x128(c.v_scale[2 * tile + half][b]);
+#pragma unroll
+    for (int w = 0; w < S::kVWords; ++w) {
+      // Each register pairs one head dim of tokens (2q, 2q+1) (half 0) or (2q+8, 2q+9).
+      uint32_t x[2][2][4];  // [token pair][bytes 0-1 | 2-3][register]
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t wa = c.v[2 * tile + half][0][w], wb = c.v[2 * tile + half][1][w];
+        e2m1x8_to_f16x2(prmt(wa, wb, 0x5410), x[half][0]);
+        e2m1x8_to_f16x2(prmt(wa, wb, 0x7632), x[half][1]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) x[half][k][r] = hmul2(x[half][k][r], scale[half][w / 2]);
+      }
+      // m-tile 4w + 2k + j: rows g, g+8 = lane dims 8w + 4k + 2j, +1 (see lane_dim).
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t a[4] = {x[0][k][j], x[0][k][j + 2], x[1][k][j], x[1][k][j + 2]};
+          mma_16816(st.o[4 * w + 2 * k + j], a, p0, p1);
+        }
+    }
+  }
+}
+
+// Head dim of row g of m-tile t (row g + 8 is the next dim): lane g holds dims
+// 2*(D/16)*g .. +2*(D/16)-1, two per m-tile.
+template <int kHead>
+__device__ __forceinline__ int lane_dim(int g, int t) {
+  return 2 * (kHead / 16) * g + 2 * t;
+}
+
+__device__ __forceinline__ float load_q(const void* q, QType type, int64_t i) {
+  switch (type) {
+    case QType::kBF16:
+      return __bfloat162float(__ushort_as_bfloat16(static_cast<const uint16_t*>(q)[i]));
+    case QType::kF16:
+      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(q)[i]));
+    default:
+      return static_cast<const float*>(q)[i];
+  }
+}
+
+__device__ __forceinline__ void store_out(void* out, QType type, int64_t i, float x) {
+  switch (type) {
+    case QType::kBF16:
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+      break;
+    case QType::kF16:
+      static_cast<__half*>(out)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(out)[i] = x;
+  }
+}
+
+// Divisions fixed at launch: the CTA index into (member, sequence, kv head, head tile), and
+// positions into (page, row).
+struct Grid {
+  FastDivmod head_tiles, num_kv_heads, batch, block_size;
+};
+
+template <int kHead, bool kSwizzle>
+__global__ void __launch_bounds__(kThreads, 2)
+    DecodeKernel(const DecodeProblem p, const Grid grid) {
+  using S = Shape<kHead>;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+
+  uint32_t head_tile, kv_head, b;
+  uint32_t rest = grid.head_tiles.divmod(blockIdx.x, &head_tile);
+  rest = grid.num_kv_heads.divmod(rest, &kv_head);
+  const uint32_t member = grid.batch.divmod(rest, &b);
+  const int split = blockIdx.y;
+
+  const int32_t block_size = int32_t(p.page.block_size);
+  const int32_t max_tokens = p.max_blocks * block_size;
+  const int32_t seq_len =
+      min(max(p.seq_lens[(p.lens_stacked ? member * p.batch : 0) + b], 0), max_tokens);
+  const int32_t begin = split * p.tokens_per_split;
+  const int32_t end = min(begin + p.tokens_per_split, seq_len);
+  const int group = p.num_q_heads / int(p.page.num_kv_heads);
+  const int heads_here = min(kHeadsPerCta, group - int(head_tile) * kHeadsPerCta);
+  const int64_t first_q_row =
+      (int64_t(member) * p.batch + b) * p.num_q_heads + kv_head * group + head_tile * kHeadsPerCta;
+
+  if (begin >= end) {
+    // No position here. With one split this is a sequence of length 0: zeros, lse -inf.
+    // With several, the merge kernel skips the splits past the sequence's length.
+    if (p.num_splits == 1) {
+      for (int i = threadIdx.x; i < heads_here * kHead; i += kThreads)
+        store_out(p.out, p.q_type, first_q_row * kHead + i, 0.f);
+      if (threadIdx.x < heads_here) p.lse[first_q_row + threadIdx.x] = -INFINITY;
+    }
+    return;
+  }
+
+  // q of this lane's head (column g), dims qd*D/4 .. +D/4, scaled by 2^e into fp16 and laid
+  // out as the B fragments of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}).
+  uint32_t qf[S::kKTiles][2];
+  float score_scale[2];
+  {
+    constexpr int kDims = kHead / 4;
+    float qv[kDims];
+    float amax = 0.f;
+    const bool has_head = g < heads_here;
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      qv[i] = has_head ? load_q(p.q, p.q_type, (first_q_row + g) * kHead + qd * kDims + i) : 0.f;
+      amax = fmaxf(amax, fabsf(qv[i]));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    int exponent = 0;
+    if (amax > 0.f && amax <= 3.402823466e38f) {
+      frexpf(amax, &exponent);  // amax in [2^(x-1), 2^x)
+      exponent = 15 - exponent;  // amax * 2^e in [2^14, 2^15)
+    }
+#pragma unroll
+    for (int w = 0; w < kDims / 8; ++w)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float* x = qv + 8 * w + e;
+        qf[2 * w + e][0] = pack_f16x2(ldexpf(x[0], exponent), ldexpf(x[4], exponent));
+        qf[2 * w + e][1] = pack_f16x2(ldexpf(x[2], exponent), ldexpf(x[6], exponent));
+      }
+    const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+    const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+    const float mine = ldexpf(k_scale * sm_scale * kLog2e, 7 - exponent);
+    score_scale[0] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd);      // column 2qd: lane 4*(2qd)
+    score_scale[1] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd + 4);  // column 2qd+1
+  }
+
+  const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  PageView pv;
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables + (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
+             int64_t(b) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  const bool hnd = p.page.layout == Layout::kHND;
+  pv.head_row = hnd ? int32_t(kv_head) * block_size : int32_t(kv_head);
+  pv.row_stride = hnd ? 1 : num_kv_heads;
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.chunk_in_page = block_size % S::kChunk == 0;
+
+  WarpState<kHead> st;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.f;
+#pragma unroll
+  for (int t = 0; t < S::kKTiles; ++t)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) st.o[t][r] = 0.f;
+
+  // Chunks of this split, warp w taking w, w + 4, ...; the next chunk's bytes are loaded
+  // before the current one is computed (two register sets, used in turn).
+  const int num_chunks = (end - begin + S::kChunk - 1) / S::kChunk;
+  Chunk<kHead> ping, pong;
+  int chunk = warp;
+  if (chunk < num_chunks) load_chunk<kHead, kSwizzle>(ping, pv, begin + chunk * S::kChunk, end, lane);
+  while (chunk < num_chunks) {
+    if (chunk + kWarps < num_chunks)
+      load_chunk<kHead, kSwizzle>(pong, pv, begin + (chunk + kWarps) * S::kChunk, end, lane);
+    process_chunk<kHead>(ping, st, qf, score_scale, begin + chunk * S::kChunk, end, lane);
+    chunk += kWarps;
+    if (chunk >= num_chunks) break;
+    if (chunk + kWarps < num_chunks)
+      load_chunk<kHead, kSwizzle>(ping, pv, begin + (chunk + kWarps) * S::kChunk, end, lane);
+    process_chunk<kHead>(pong, st, qf, score_scale, begin + chunk * S::kChunk, end, lane);
+    chunk += kWarps;
+  }
+
+  // The lane's share of l -> the column's.
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int delta = 4; delta < 32; delta *= 2)
+      st.l[h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[h], delta);
+
+  // Merge the warps: each writes its state, then the CTA combines per (head, dim).
+  __shared__ float shared_m[kWarps][kHeadsPerCta], shared_l[kWarps][kHeadsPerCta];
+  __shared__ float shared_o[kWarps][kHeadsPerCta][kHead];
+  if (g == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      shared_m[warp][2 * qd + h] = st.m[h];
+      shared_l[warp][2 * qd + h] = st.l[h];
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < S::kKTiles; ++t) {
+    const int dim = lane_dim<kHead>(g, t);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) shared_o[warp][2 * qd + (r & 1)][dim + (r >> 1)] = st.o[t][r];
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < heads_here * kHead; i += kThreads) {
+    const int h = i / kHead, d = i % kHead;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) top = fmaxf(top, shared_m[w][h]);
+    const float offset = top == -INFINITY ? 0.f : top;
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float weight = exp2_approx(shared_m[w][h] - offset);
+      sum += weight * shared_l[w][h];
+      acc += weight * shared_o[w][h][d];
+    }
+    const float value = acc / sum;
+    const float lse2 = offset + __log2f(sum);
+    const int64_t row = first_q_row + h;
+    if (p.num_splits == 1) {
+      store_out(p.out, p.q_type, row * kHead + d, value * (p.v_scale[p.v_scale_stacked ? member : 0] * 128.f));
+      if (d == 0) p.lse[row] = lse2 * kLn2;
+    } else {
+      p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+      if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+    }
+  }
+}
+
+// Combines the splits of each (member, sequence, query head): weights 2^(lse_s - max).
+template <int kHead>
+__global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
+  const int64_t row = blockIdx.x;  // (member * batch + b) * num_q_heads + head
+  const int64_t sequence = row / p.num_q_heads;
+  const int32_t member = int32_t(sequence / p.batch), b = int32_t(sequence % p.batch);
+  const int32_t max_tokens = p.max_blocks * int32_t(p.page.block_size);
+  const int32_t seq_len =
+      min(max(p.seq_lens[(p.lens_stacked ? member * p.batch : 0) + b], 0), max_tokens);
+  const int active = min((seq_len + p.tokens_per_split - 1) / p.tokens_per_split, p.num_splits);
+  const int d = threadIdx.x;
+  if (active == 0) {
+    store_out(p.out, p.q_type, row * kHead + d, 0.f);
+    if (d == 0) p.lse[row] = -INFINITY;
+    return;
+  }
+  const float* lse = p.partial_lse + row * p.num_splits;
+  float top = -INFINITY;
+  for (int s = 0; s < active; ++s) top = fmaxf(top, lse[s]);
+  const float offset = top == -INFINITY ? 0.f : top;
+  float sum = 0.f, acc = 0.f;
+  for (int s = 0; s < active; ++s) {
+    const float weight = exp2_approx(lse[s] - offset);
+    sum += weight;
+    acc += weight * p.partial_out[(row * p.num_splits + s) * kHead + d];
+  }
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  store_out(p.out, p.q_type, row * kHead + d, acc / sum * (v_scale * 128.f));
+  if (d == 0) p.lse[row] = (offset + __log2f(sum)) * kLn2;
+}
+
+template <int kHead, bool kSwizzle>
+cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
+  const int group = p.num_q_heads / int(p.page.num_kv_heads);
+  const int head_tiles = (group + kHeadsPerCta - 1) / kHeadsPerCta;
+  const int64_t units = int64_t(p.stacked) * p.batch * p.page.num_kv_heads * head_tiles;
+  const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
+                  FastDivmod(uint32_t(p.batch)), FastDivmod(uint32_t(p.page.block_size))};
+  DecodeKernel<kHead, kSwizzle>
+      <<<dim3(uint32_t(units), uint32_t(p.num_splits)), kThreads, 0, stream>>>(p, grid);
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess || p.num_splits == 1) return error;
+  MergeKernel<kHead><<<uint32_t(int64_t(p.stacked) * p.batch * p.num_q_heads), kHead, 0,
+                       stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int kHead>
+cudaError_t LaunchForSwizzle(cudaStream_t stream, const DecodeProblem& p) {
+  return p.page.v_scale_swizzle ? Launch<kHead, true>(stream, p) : Launch<kHead, false>(stream, p);
+}
+
+ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                      ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                      ffi::Buffer<ffi::F32> sm_scale, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout,
+                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split) {
+  DecodeProblem p;
+  ffi::Error error = MakeDecodeProblem(q, kv_cache, block_tables, seq_lens, k_scale, v_scale,
+                                       sm_scale, out, lse, partial_out, partial_lse, layout,
+                                       v_scale_swizzle, num_splits, tokens_per_split, &p);
+  if (error.failure()) return error;
+  if (int64_t(p.stacked) * p.batch * p.num_q_heads == 0) return ffi::Error::Success();
+  if (p.num_blocks == 0 && p.max_blocks > 0)
+    return DecodeArgumentError("kv_cache has no pages but block_tables has columns");
+  const int64_t group = p.num_q_heads / p.page.num_kv_heads;
+  if (int64_t(p.stacked) * p.batch * p.page.num_kv_heads * ((group + kHeadsPerCta - 1) / kHeadsPerCta) >=
+      (int64_t(1) << 31))
+    return DecodeArgumentError("more than 2^31 CTAs");
+  cudaError_t launched;
+  switch (p.page.head_size) {
+    case 64: launched = LaunchForSwizzle<64>(stream, p); break;
+    case 128: launched = LaunchForSwizzle<128>(stream, p); break;
+    default: launched = LaunchForSwizzle<256>(stream, p); break;
+  }
+  if (launched != cudaSuccess) return CudaError("paged_attention", "kernel launch", launched);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NvFp4DecodeAttentionCuda, nvfp4::DecodeCuda,
+    nvfp4::BindDecode(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

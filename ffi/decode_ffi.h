@@ -1,0 +1,173 @@
+// XLA FFI side of the decode-attention kernel (decode_cuda.cu): the call's buffers and
+// attributes read into a DecodeProblem, re-checking what jax_nvfp4/attention_primitive.py
+// validated, so that a malformed call returns an error instead of reading out of bounds.
+//
+// Operands (the primitive's canonical form, L = stacked layers or head groups, 1 for a plain
+// call): q [L, B, Hq, D] bf16/f16/f32; kv_cache [L, num_blocks, 2, ...] uint8 in either layout;
+// block_tables [1 or L, B, M] and seq_lens [1 or L, B] int32; k_scale, v_scale, sm_scale float32
+// [1 or L]. Results: out [L, B, Hq, D] (q's dtype), lse [L, B, Hq] float32, and the split-KV
+// workspace partial_out [L, B, Hq, S, D], partial_lse [L, B, Hq, S] float32 (S = num_splits, or
+// 0 when num_splits == 1).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "nvfp4_numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nvfp4 {
+
+namespace ffi = xla::ffi;
+
+// Name of the FFI target; jax_nvfp4/attention_primitive.py registers the handler under it.
+inline constexpr const char kDecodeTarget[] = "jax_nvfp4_paged_attention";
+
+enum class QType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+struct DecodeProblem {
+  const void* q;
+  const uint8_t* kv_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const float* k_scale;
+  const float* v_scale;
+  const float* sm_scale;
+  void* out;
+  float* lse;
+  float* partial_out;
+  float* partial_lse;
+  QType q_type;
+  int32_t stacked;          // L
+  int32_t batch;            // B
+  int32_t num_q_heads;      // Hq
+  int32_t num_blocks;       // pages per member
+  int32_t max_blocks;       // M, columns of block_tables
+  int32_t tables_stacked;   // 1 when block_tables has a row per member, 0 when shared
+  int32_t lens_stacked;     // likewise for seq_lens
+  int32_t k_scale_stacked;  // likewise for each scale
+  int32_t v_scale_stacked;
+  int32_t sm_scale_stacked;
+  int32_t num_splits;
+  int32_t tokens_per_split;
+  PageGeometry page;
+};
+
+inline ffi::Error DecodeArgumentError(const std::string& message) {
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_nvfp4 paged_attention: " + message);
+}
+
+inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+                                    ffi::Buffer<ffi::S32> block_tables,
+                                    ffi::Buffer<ffi::S32> seq_lens,
+                                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                    ffi::Buffer<ffi::F32> sm_scale, ffi::Result<ffi::AnyBuffer> out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+                                    ffi::Result<ffi::Buffer<ffi::F32>> partial_lse,
+                                    int32_t layout, bool v_scale_swizzle, int32_t num_splits,
+                                    int32_t tokens_per_split, DecodeProblem* p) {
+  const auto q_dims = q.dimensions();
+  const auto cache_dims = kv_cache.dimensions();
+  const auto table_dims = block_tables.dimensions();
+  const auto len_dims = seq_lens.dimensions();
+  if (q_dims.size() != 4) return DecodeArgumentError("q must have rank 4 [L, B, Hq, D]");
+  if (cache_dims.size() != 6) return DecodeArgumentError("kv_cache must have rank 6");
+  if (table_dims.size() != 3 || len_dims.size() != 2)
+    return DecodeArgumentError("block_tables must have rank 3 and seq_lens rank 2");
+  switch (q.element_type()) {
+    case ffi::DataType::BF16: p->q_type = QType::kBF16; break;
+    case ffi::DataType::F16: p->q_type = QType::kF16; break;
+    case ffi::DataType::F32: p->q_type = QType::kF32; break;
+    default: return DecodeArgumentError("q must be bfloat16, float16 or float32");
+  }
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
+    return DecodeArgumentError("out must have q's dtype and shape");
+  if (layout != int32_t(Layout::kHND) && layout != int32_t(Layout::kNHD))
+    return DecodeArgumentError("unknown layout");
+
+  const int64_t stacked = q_dims[0], batch = q_dims[1], num_q_heads = q_dims[2];
+  const int64_t head_size = q_dims[3];
+  const Layout page_layout = Layout(layout);
+  // HND pages: [L, num_blocks, 2, heads, block_size, F]; NHD: [L, num_blocks, 2, block_size,
+  // heads, F].
+  const int64_t num_kv_heads = cache_dims[page_layout == Layout::kHND ? 3 : 4];
+  const int64_t block_size = cache_dims[page_layout == Layout::kHND ? 4 : 3];
+  if (head_size != 64 && head_size != 128 && head_size != 256)
+    return DecodeArgumentError("the kernel supports head sizes 64, 128 and 256");
+  if (block_size <= 0 || block_size % 4 != 0)
+    return DecodeArgumentError("block_size must be a positive multiple of 4");
+  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0)
+    return DecodeArgumentError("num_q_heads must be a multiple of num_kv_heads");
+  if (cache_dims[0] != stacked || cache_dims[2] != 2 ||
+      cache_dims[5] != head_size / 2 + head_size / kBlockElems)
+    return DecodeArgumentError("kv_cache shape does not match q");
+  if ((table_dims[0] != 1 && table_dims[0] != stacked) || table_dims[1] != batch ||
+      (len_dims[0] != 1 && len_dims[0] != stacked) || len_dims[1] != batch)
+    return DecodeArgumentError("block_tables/seq_lens shapes do not match q");
+  for (const auto* scale : {&k_scale, &v_scale, &sm_scale}) {
+    const int64_t n = int64_t(scale->element_count());
+    if (n != 1 && n != stacked) return DecodeArgumentError("scales must hold 1 or L values");
+  }
+  if (num_splits < 1 || num_splits > 65535 || tokens_per_split <= 0 ||
+      int64_t(num_splits) * tokens_per_split < table_dims[2] * block_size)
+    return DecodeArgumentError("num_splits x tokens_per_split must cover the block table");
+  const int64_t partial = num_splits > 1 ? num_splits : 0;
+  if (lse->element_count() != size_t(stacked * batch * num_q_heads) ||
+      partial_out->element_count() != size_t(stacked * batch * num_q_heads * partial * head_size) ||
+      partial_lse->element_count() != size_t(stacked * batch * num_q_heads * partial))
+    return DecodeArgumentError("result shapes do not match q and num_splits");
+  constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
+  if (stacked * batch * num_q_heads > kLimit || cache_dims[1] > kLimit ||
+      table_dims[2] * block_size > kLimit)
+    return DecodeArgumentError("sizes beyond 2^31");
+
+  p->q = q.untyped_data();
+  p->kv_cache = kv_cache.typed_data();
+  p->block_tables = block_tables.typed_data();
+  p->seq_lens = seq_lens.typed_data();
+  p->k_scale = k_scale.typed_data();
+  p->v_scale = v_scale.typed_data();
+  p->sm_scale = sm_scale.typed_data();
+  p->out = out->untyped_data();
+  p->lse = lse->typed_data();
+  p->partial_out = partial_out->typed_data();
+  p->partial_lse = partial_lse->typed_data();
+  p->stacked = int32_t(stacked);
+  p->batch = int32_t(batch);
+  p->num_q_heads = int32_t(num_q_heads);
+  p->num_blocks = int32_t(cache_dims[1]);
+  p->max_blocks = int32_t(table_dims[2]);
+  p->tables_stacked = table_dims[0] == stacked && stacked > 1;
+  p->lens_stacked = len_dims[0] == stacked && stacked > 1;
+  p->k_scale_stacked = k_scale.element_count() > 1;
+  p->v_scale_stacked = v_scale.element_count() > 1;
+  p->sm_scale_stacked = sm_scale.element_count() > 1;
+  p->num_splits = num_splits;
+  p->tokens_per_split = tokens_per_split;
+  p->page = PageGeometry{num_kv_heads, block_size, head_size, page_layout, v_scale_swizzle};
+  return ffi::Error::Success();
+}
+
+template <typename Binding>
+auto BindDecode(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()           // q
+      .template Arg<ffi::Buffer<ffi::U8>>()     // kv_cache (read only)
+      .template Arg<ffi::Buffer<ffi::S32>>()    // block_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()    // seq_lens
+      .template Arg<ffi::Buffer<ffi::F32>>()    // k_scale
+      .template Arg<ffi::Buffer<ffi::F32>>()    // v_scale
+      .template Arg<ffi::Buffer<ffi::F32>>()    // sm_scale
+      .template Ret<ffi::AnyBuffer>()           // out
+      .template Ret<ffi::Buffer<ffi::F32>>()    // lse
+      .template Ret<ffi::Buffer<ffi::F32>>()    // partial_out (split-KV workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()    // partial_lse
+      .template Attr<int32_t>("layout")
+      .template Attr<bool>("v_scale_swizzle")
+      .template Attr<int32_t>("num_splits")
+      .template Attr<int32_t>("tokens_per_split");
+}
+
+}  // namespace nvfp4

@@ -1,0 +1,370 @@
+"""Decode attention over an NVFP4 cache as a JAX primitive: abstract evaluation, lowering per
+platform, batching and partitioning rules, side by side.
+
+``decode_p`` works on one canonical form with a leading stacked axis ``L`` (layers or head
+groups; ``L = 1`` for a plain call):
+
+* q ``[L, batch, num_q_heads, head_size]``, kv_cache ``[L, num_blocks, 2, ...]`` (uint8),
+* block_tables ``[1 or L, batch, max_blocks_per_seq]`` and seq_lens ``[1 or L, batch]`` (int32),
+* k_scale, v_scale, sm_scale: float32 ``[1 or L]``,
+
+and returns ``(out [L, batch, num_q_heads, head_size] in q's dtype, lse [L, batch, num_q_heads]
+float32)``. ``jax.vmap`` over layers or groups therefore stays one primitive, hence one launch.
+
+Lowering: on CUDA, the fused kernel (``ffi/decode_cuda.cu``) behind the XLA FFI target
+``jax_nvfp4_paged_attention`` for head sizes 64, 128 and 256 (other head sizes use the jnp path,
+or raise with ``impl="kernel"``); on every other platform the jnp path
+(:func:`jax_nvfp4.reference.paged_attention`). Under a multi-device ``jit`` the kernel call is
+wrapped in custom partitioning: the stacked axis (the cache's axis 0) and the batch axis split
+with no communication, every other axis is replicated. The cache is only read: no alias, no
+donation needed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import layout as _layout
+from . import reference as _reference
+from . import sharding as _sharding
+from .primitive import _ffi
+
+#: Name of the FFI target (same string as ffi/decode_ffi.h).
+DECODE_TARGET = _ffi.DECODE_TARGET
+#: Head sizes the CUDA kernel is compiled for.
+KERNEL_HEAD_SIZES = (64, 128, 256)
+#: Implementations a caller may ask for (``"jnp"`` never reaches the primitive).
+IMPLS = ("auto", "kernel", "jnp")
+
+# Split-KV policy (see _plan_splits).
+_TOKENS_PER_CTA_STEP = 128      # one step of a CTA: 4 warps x 32 tokens (ffi/decode_cuda.cu)
+_MIN_TOKENS_PER_SPLIT = 512
+_CTAS_PER_SM = 4
+_MAX_SPLITS = 256
+
+if _ffi.built_with_cuda():
+    jax.ffi.register_ffi_target(DECODE_TARGET, _ffi.decode_registrations()["CUDA"],
+                                platform="CUDA")
+
+decode_p = Primitive("nvfp4_paged_attention")
+decode_p.multiple_results = True
+
+
+def _bind_under_jit(*args, **params):
+    return decode_p.bind(*args, **params)
+
+
+decode_p.def_impl(jax.jit(_bind_under_jit, static_argnames=("layout", "v_scale_swizzle", "impl")))
+
+
+@decode_p.def_abstract_eval
+def _abstract_eval(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, layout,
+                   v_scale_swizzle, impl):
+    del kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout, v_scale_swizzle
+    del impl
+    out = jax.core.ShapedArray(q.shape, q.dtype)
+    lse = jax.core.ShapedArray(q.shape[:3], jnp.float32)
+    return out, lse
+
+
+def bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, layout,
+         v_scale_swizzle, impl):
+    """One (validated) call in the form users have: q ``[batch, Hq, D]``, one layer's cache,
+    block_tables ``[batch, M]``, seq_lens ``[batch]``, scalar scales. Returns ``(out, lse)``."""
+    lead = lambda x: jnp.reshape(x, (1,) + tuple(x.shape))  # noqa: E731
+    out, lse = decode_p.bind(
+        lead(q), lead(kv_cache), lead(block_tables.astype(jnp.int32)),
+        lead(seq_lens.astype(jnp.int32)), *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,))
+                                            for s in (k_scale, v_scale, sm_scale)),
+        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl)
+    return out[0], lse[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The jnp path on the canonical form (CPU, and GPU shapes the kernel does not cover).
+
+
+def _jnp_canonical(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, layout,
+                   v_scale_swizzle):
+    stacked = q.shape[0]
+
+    def one(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale):
+        return _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale,
+                                          layout=layout, v_scale_swizzle=v_scale_swizzle,
+                                          sm_scale=sm_scale, return_lse=True)
+
+    args = (q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale)
+    if stacked == 1:
+        out, lse = one(*(a[0] for a in args))
+        return out[None], lse[None]
+    in_axes = tuple(0 if a.shape[0] == stacked else None for a in args)
+    args = tuple(a if axis == 0 else a[0] for a, axis in zip(args, in_axes))
+    return jax.vmap(one, in_axes=in_axes)(*args)
+
+
+def _jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+    if impl == "kernel":
+        raise ValueError(
+            "paged_attention(impl='kernel') needs the CUDA kernel on a GPU; this computation "
+            "runs on a platform without it. Use impl='auto' (the kernel where it exists, the "
+            "jnp path elsewhere) or impl='jnp'.")
+    fun = functools.partial(_jnp_canonical, layout=layout, v_scale_swizzle=v_scale_swizzle)
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernel.
+
+
+def kernel_supports(head_size: int) -> bool:
+    """Whether the CUDA kernel covers this geometry (every layout, block size and GQA group)."""
+    return _ffi.built_with_cuda() and head_size in KERNEL_HEAD_SIZES
+
+
+def _sm_count() -> int:
+    try:
+        return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or 132
+    except RuntimeError:
+        return 132
+
+
+def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
+                max_tokens: int, sm_count: int) -> tuple[int, int]:
+    """Split-KV plan: ``(num_splits, tokens_per_split)``.
+
+    One CTA attends for one (stacked member, sequence, kv head, group of up to 8 query heads)
+    over ``tokens_per_split`` positions. Enough splits that the grid fills the GPU
+    (``_CTAS_PER_SM`` CTAs per SM) when batch x heads alone does not, but no split shorter than
+    ``_MIN_TOKENS_PER_SPLIT`` positions (each split costs a partial result and its merge). The
+    plan depends only on static shapes, so a jitted step compiles once; a short sequence skips
+    the splits past its length.
+    """
+    group = num_q_heads // num_kv_heads
+    units = stacked * batch * num_kv_heads * -(-group // 8)
+    max_tokens = max(max_tokens, 1)
+    wanted = -(-(_CTAS_PER_SM * sm_count) // units)
+    by_length = -(-max_tokens // _MIN_TOKENS_PER_SPLIT)
+    splits = max(1, min(wanted, by_length, _MAX_SPLITS))
+    step = _TOKENS_PER_CTA_STEP
+    tokens_per_split = -(-max_tokens // splits)
+    tokens_per_split = -(-tokens_per_split // step) * step
+    return -(-max_tokens // tokens_per_split), tokens_per_split
+
+
+def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
+                 v_scale_swizzle):
+    """The FFI call on whatever (per-device) shapes it gets."""
+    geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
+    stacked, batch, num_q_heads, head_size = q.shape
+    max_tokens = block_tables.shape[2] * geo.block_size
+    splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
+                                           max_tokens, _sm_count())
+    partial = splits if splits > 1 else 0  # one split writes the output directly
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
+               jax.ShapeDtypeStruct(q.shape[:3] + (partial, head_size), jnp.float32),
+               jax.ShapeDtypeStruct(q.shape[:3] + (partial,), jnp.float32))
+    call = jax.ffi.ffi_call(DECODE_TARGET, results)
+    out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
+                          layout=np.int32(_layout.LAYOUTS.index(layout)),
+                          v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
+                          tokens_per_split=np.int32(tokens_per_split))
+    return out, lse
+
+
+def _cuda_lowering(ctx, q, kv_cache, *args, layout, v_scale_swizzle, impl):
+    head_size = ctx.avals_in[0].shape[-1]
+    if not kernel_supports(head_size):
+        if impl == "kernel":
+            raise ValueError(
+                f"paged_attention(impl='kernel'): the CUDA kernel covers head sizes "
+                f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
+                                          " and jax_nvfp4 was built without it")
+                + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
+        return _jnp_lowering(ctx, q, kv_cache, *args, layout=layout,
+                             v_scale_swizzle=v_scale_swizzle, impl="auto")
+    fun = lambda *a: partitioned(_kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, q, kv_cache, *args)
+
+
+mlir.register_lowering(decode_p, _jnp_lowering)
+mlir.register_lowering(decode_p, _cuda_lowering, platform="cuda")
+# Like custom_partitioning's own primitive: lower with the device assignment known.
+try:
+    from jax._src import dispatch as _dispatch
+
+    _dispatch.prim_requires_devices_during_lowering.add(decode_p)
+except (ImportError, AttributeError):  # private API; only AOT lowering without devices needs it
+    pass
+
+
+def _jvp(primals, tangents, **params):
+    raise TypeError(
+        "jax_nvfp4.paged_attention over an NVFP4 cache is not differentiable (the cache is "
+        "quantised); apply jax.lax.stop_gradient to q and the scales, or differentiate "
+        "through paged_attention_bf16.")
+
+
+ad.primitive_jvps[decode_p] = _jvp
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap: one launch for all members.
+
+
+_NOT_MAPPED = None  # what vmap passes as the batch dimension of an unbatched argument
+
+
+def _batch(args, dims, *, layout, v_scale_swizzle, impl):
+    """vmap over layers or head groups: the members join the stacked axis (one launch).
+
+    A batched cache (members along its axis ``d``, moved to the front: free for ``d = 0``, a
+    transpose otherwise) joins ``L``; q, block tables, lengths and scales follow it (broadcast
+    where shared; tables, lengths and scales stay shared when no member differs). A cache
+    shared by all members is not copied: the members become more sequences of the batch, which
+    needs the scales to be shared too (otherwise the cache is broadcast, one copy per member).
+    """
+    q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale = args
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    # L of the unbatched canonical form: q's first axis other than the member axis.
+    stacked = q.shape[1 if dims[0] == 0 else 0]
+
+    def front(x, d):
+        """[V, ...] with the member axis first (broadcast if x is shared)."""
+        if d is _NOT_MAPPED:
+            return jnp.broadcast_to(x, (size,) + x.shape)
+        return jnp.moveaxis(x, d, 0)
+
+    scales_batched = any(d is not _NOT_MAPPED for d in dims[4:])
+    if dims[1] is _NOT_MAPPED and not scales_batched:
+        # Fold the members into the batch axis: [V, L, B, ...] -> [L, V*B, ...].
+        def into_batch(x, d):
+            x = jnp.moveaxis(front(x, d), 0, 1)   # [L (or 1: shared by the layers), V, B, ...]
+            return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+        batch = q.shape[-3]
+        q2, tables2, lens2 = (into_batch(x, d) for x, d in
+                              ((q, dims[0]), (block_tables, dims[2]), (seq_lens, dims[3])))
+        out, lse = decode_p.bind(q2, kv_cache, tables2, lens2, k_scale, v_scale, sm_scale,
+                                 layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+        out = jnp.moveaxis(out.reshape((stacked, size, batch) + out.shape[2:]), 1, 0)
+        lse = jnp.moveaxis(lse.reshape((stacked, size, batch) + lse.shape[2:]), 1, 0)
+        return (out, lse), (0, 0)
+
+    # Members join the stacked axis: [V, L, ...] -> [V*L, ...].
+    def into_stack(x, d, shareable):
+        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
+            return x                                        # shared by every member and layer
+        x = front(x, d)
+        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
+            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
+        return x.reshape((size * stacked,) + x.shape[2:])
+
+    q2 = into_stack(q, dims[0], shareable=False)
+    cache2 = into_stack(kv_cache, dims[1], shareable=False)
+    rest = [into_stack(x, d, shareable=True) for x, d in zip(args[2:], dims[2:])]
+    out, lse = decode_p.bind(q2, cache2, *rest, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                             impl=impl)
+    return (out.reshape((size, stacked) + out.shape[1:]),
+            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+
+
+batching.primitive_batchers[decode_p] = _batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Partitioning: the stacked axis and the batch axis split, everything else is replicated.
+
+_SPLITTABLE = ("stack", "batch")
+
+
+def _factors(layout: str, shapes):
+    """Factor names of every axis of the seven operands and two results."""
+    q, cache, tables, lens, k_scale, v_scale, sm_scale = (tuple(s) for s in shapes)
+    stacked = q[0]
+
+    def lead(shape, name):
+        return "stack" if shape[0] == stacked else name
+
+    cache_axes = ("stack",) + tuple("c_" + a for a in _layout.CACHE_AXES[layout][:])
+    operands = (("stack", "batch", "q_heads", "head_size"), cache_axes,
+                (lead(tables, "t_one"), "batch", "pages"), (lead(lens, "l_one"), "batch"),
+                (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
+    results = (operands[0], operands[0][:3])
+    used = dict.fromkeys(f for op in operands for f in op)
+    replicated = tuple(f for f in used if f not in _SPLITTABLE)
+    return operands, results, replicated
+
+
+def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
+    del v_scale_swizzle, mesh, result_types
+    operands, results, replicated = _factors(layout, [tuple(t.shape) for t in operand_types])
+    text = (", ".join(" ".join(op) for op in operands) + " -> "
+            + ", ".join(" ".join(r) for r in results))
+    return text, {"need_replication_factors": replicated}
+
+
+def _plan(layout, shapes, q_sharding, cache_sharding):
+    """Specs of the operands and results: the stacked axis as the cache has it (never move the
+    cache), the batch axis as q has it, everything else replicated."""
+    operands, results, _ = _factors(layout, shapes)
+    stack = _sharding._mesh_axes(_sharding._spec_entries(cache_sharding, len(shapes[1]))[0])
+    batch = _sharding._mesh_axes(_sharding._spec_entries(q_sharding, len(shapes[0]))[1])
+    if set(stack) & set(batch):
+        batch = ()
+    kept = {"stack": stack, "batch": batch}
+
+    def spec(names):
+        return PartitionSpec(*(_sharding._entry(kept.get(f, ())) for f in names))
+
+    return [spec(op) for op in operands], [spec(r) for r in results]
+
+
+def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
+    del v_scale_swizzle, result_shape
+    _, results = _plan(layout, [a.shape for a in arg_shapes], arg_shapes[0].sharding,
+                       arg_shapes[1].sharding)
+    return tuple(NamedSharding(mesh, s) for s in results)
+
+
+def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
+    del layout, v_scale_swizzle
+    out = user_shape[0]
+    entries = _sharding._spec_entries(out.sharding, len(out.shape))
+    keep = PartitionSpec(entries[0], entries[1], None, None)
+    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:3])))
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned(body):
+    """``body(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
+    v_scale_swizzle) -> (out, lse)`` (the kernel call, on per-device shapes) under custom
+    partitioning: each device runs it on its own stacked members and sequences. (The tests
+    also wrap the jnp path with it, to check these rules on CPU devices.)"""
+
+    def partition(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
+        del result_shape
+        operands, results = _plan(layout, [a.shape for a in arg_shapes],
+                                  arg_shapes[0].sharding, arg_shapes[1].sharding)
+        return (mesh, lambda *a: body(*a, layout, v_scale_swizzle),
+                tuple(NamedSharding(mesh, s) for s in results),
+                tuple(NamedSharding(mesh, s) for s in operands))
+
+    wrapped = custom_partitioning(body, static_argnums=(7, 8))
+    wrapped.def_partition(partition=partition,
+                          infer_sharding_from_operands=_infer_sharding_from_operands,
+                          propagate_user_sharding=_propagate_user_sharding,
+                          sharding_rule=_sharding_rule)
+    return wrapped
+
+
+__all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
+           "plan_splits"]

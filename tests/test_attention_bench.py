@@ -1,0 +1,45 @@
+"""benchmarks/attention_bench.py --quick: the smoke run of the attention benchmark, on the CPU.
+
+Runs the script in a subprocess (its own JAX, on the CPU backend) with a time limit, into a
+temporary output folder, and checks that it prints the targets and the table last and writes the
+JSON (and the PNG where matplotlib is installed). About 20 s on 2 CPU cores.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_bench.py"
+TIME_LIMIT_S = 240  # a hang fails; the run itself takes about 20 s
+
+
+def test_attention_bench_quick(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=TIME_LIMIT_S, env=env,
+                          cwd=BENCH.parents[1])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "sanity: kernel output finite" in out
+    assert "Targets (kernel, NVFP4 bytes):" in out
+    table = out[out.index("| point | method |"):]
+    assert out.rstrip().endswith(table.rstrip())  # the table is printed last
+    methods = ("nvfp4 kernel (impl=auto)", "nvfp4 jnp (impl=jnp)", "bf16 paged (jnp)",
+               "dense dpa (", "chain glue (no attention)", "floor: NVFP4 bytes",
+               "floor: bf16 bytes")
+    for point in ("2x512", "ragged4"):
+        rows = [line for line in table.splitlines() if line.startswith(f"| {point} |")]
+        for method in methods:
+            assert any(method in row for row in rows), (point, method, table)
+
+    result = json.loads((tmp_path / "attention_bench.json").read_text())
+    assert {r["point"] for r in result["rows"]} == {"2x512", "ragged4"}
+    assert {r["method"] for r in result["rows"]} == {"kernel", "jnp", "bf16", "dense", "glue"}
+    for r in result["rows"]:
+        assert len(r["chain_lengths"]) == 3 and r["us_per_call"] >= 0
+    assert (tmp_path / "attention_bench.md").exists()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "attention_bench.png").stat().st_size > 0
