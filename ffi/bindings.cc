@@ -51,6 +51,10 @@ NB_MODULE(_ffi, m) {
   m.def("_e2m1_code_mismatches_cuda", &nvfp4::E2m1CodeMismatchesCuda,
         "The self-check above on the current GPU (-1 if CUDA failed).");
 #endif
+#if defined(JAX_NVFP4_WITH_CUDA)
+  m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
+        "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
+#endif
   m.def("built_with_cuda", []() {
 #if defined(JAX_NVFP4_WITH_CUDA)
     return true;

@@ -37,6 +37,11 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
+// CTAs per SM for head sizes 64 and 128 (measured on an H200, 2026-11-30: 3 CTAs, 168
+// registers, 442 us at batch 32 x 32768; 4 CTAs spill at 128 registers and take 660 us).
+#ifndef NVFP4_DECODE_MIN_CTAS
+#define NVFP4_DECODE_MIN_CTAS 3
+#endif
 constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA's N
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
@@ -89,13 +94,24 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 //   r[3] = (code 3, code 7)   (low half, high half).
 // Each output takes its two codes from a copy of w in which every other nibble is zero, so the
 // shifted copies never put a foreign bit into the kept positions (mask 0x8E00 per half).
+// Written with explicit lop3 (one instruction for (a | b) & c): left to itself the compiler
+// re-associates the masks into four instructions per output instead of three.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xA8;\n" : "=r"(d) : "r"(a), "r"(b), "n"(kMask));
+  return d;
+}
+
 __device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&r)[4]) {
   constexpr uint32_t kKeep = 0x8E008E00u;
-  const uint32_t even = w & 0x0F0F0F0Fu, odd = w & 0xF0F0F0F0u;
-  r[0] = ((even << 9) | (even << 12)) & kKeep;
-  r[1] = ((even << 1) | (even << 4)) & kKeep;
-  r[2] = ((odd << 5) | (odd << 8)) & kKeep;
-  r[3] = ((odd >> 3) | odd) & kKeep;
+  uint32_t even, odd;
+  asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(even) : "r"(w), "n"(0x0F0F0F0F));
+  asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(odd) : "r"(w), "n"(0xF0F0F0F0));
+  r[0] = or_and<kKeep>(even << 9, even << 12);
+  r[1] = or_and<kKeep>(even << 1, even << 4);
+  r[2] = or_and<kKeep>(odd << 5, odd << 8);
+  r[3] = or_and<kKeep>(odd >> 3, odd);
 }
 
 // Two E4M3 bytes (low byte -> low half) as f16x2 of value * 2^7: exact (|448 * 2^7| < 65504,
@@ -141,9 +157,17 @@ struct Shape {
   static constexpr int kKScaleBytes = kHead / 64;   // its K scales (contiguous, linear)
   static constexpr int kVWords = kHead / 64;        // V code words a lane loads per token
   static constexpr int kVBlocks = kHead >= 256 ? kHead / 128 : 1;  // V scale blocks a lane needs
-  static constexpr int kTiles = kHead >= 256 ? 1 : 2;  // 16-token tiles per chunk (registers)
+  static constexpr int kTiles = kHead >= 256 ? 1 : 2;  // 16-token tiles per chunk
   static constexpr int kChunk = 16 * kTiles;
+  // CTAs per SM the registers are budgeted for (warps to hide latency against registers per
+  // thread; head size 256 needs more registers).
+  static constexpr int kMinCtasPerSm = kHead >= 256 ? 2 : NVFP4_DECODE_MIN_CTAS;
 };
+
+// Which half of a chunk's bytes a load fetches: K is loaded as soon as the previous chunk's
+// scores are computed, V once its values are accumulated, so one set of registers serves
+// (the loads of chunk c+1 overlap the rest of chunk c's arithmetic).
+enum class Part { kK, kV };
 
 // The positions a lane loads in a chunk: K of tokens g + 8i, V of token pairs 2q + 8i (+1),
 // i < 2 * kTiles (g = lane / 4, q = lane % 4), with their scales.
@@ -157,6 +181,7 @@ struct Chunk {
 };
 
 // Everything a CTA needs to find a position's bytes.
+template <Layout kLayout>
 struct PageView {
   const uint8_t* cache;    // this member's cache
   const int32_t* table;    // this sequence's row of block_tables
@@ -164,39 +189,142 @@ struct PageView {
   int32_t side_bytes;
   int32_t side_data;       // data region bytes of one side
   int32_t head_row;        // plane row of (this kv head, row 0)
-  int32_t row_stride;      // plane rows between consecutive token rows (1 HND, heads NHD)
+  int32_t num_kv_heads;    // plane rows between consecutive token rows in NHD (1 in HND)
   int32_t last_page;       // num_blocks - 1
   FastDivmod block_size;
-  bool chunk_in_page;      // block_size % chunk == 0: a chunk never crosses a page
+  bool tile_in_page;       // block_size % 16 == 0: a 16-token tile never crosses a page
 
-  // Byte offset of a position's page (from `cache`) and its row in the page.
+  // Byte offset (from `cache`) of a page id read from the block table: ids outside the
+  // cache are clamped into it (never read outside the cache, whatever the table holds).
+  __device__ __forceinline__ int64_t page_offset(int32_t page) const {
+    return int64_t(min(max(page, 0), last_page)) * page_bytes;
+  }
+  // The page offset of a position, and its row in the page.
   __device__ __forceinline__ int64_t locate(uint32_t position, uint32_t* row) const {
     const uint32_t index = block_size.divmod(position, row);
-    const int32_t page = min(max(__ldg(table + index), 0), last_page);
-    return int64_t(page) * page_bytes;
+    return page_offset(__ldg(table + index));
   }
   __device__ __forceinline__ int32_t plane_row(uint32_t row) const {
-    return head_row + int32_t(row) * row_stride;
+    return head_row + int32_t(row) * (kLayout == Layout::kHND ? 1 : num_kv_heads);
   }
 };
 
-template <int kHead, bool kSwizzle>
-__device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView& pv, uint32_t base,
-                                           uint32_t end, int lane) {
+// The block-table entries of a chunk's tiles when tiles do not cross pages, read one step
+// before the chunk's bytes are (their latency then never stalls the data loads).
+template <int kTiles>
+struct TilePages {
+  int32_t page[kTiles];
+  uint32_t row[kTiles];  // row of the tile's first position in its page
+};
+
+template <int kTiles, Layout kLayout>
+__device__ __forceinline__ TilePages<kTiles> fetch_pages(const PageView<kLayout>& pv, uint32_t base,
+                                                         uint32_t end) {
+  TilePages<kTiles> t;
+#pragma unroll
+  for (int tile = 0; tile < kTiles; ++tile) {
+    t.page[tile] = 0;
+    t.row[tile] = 0;
+    const uint32_t pos = base + 16 * tile;
+    if (pv.tile_in_page && pos < end)
+      t.page[tile] = __ldg(pv.table + pv.block_size.divmod(pos, &t.row[tile]));
+  }
+  return t;
+}
+
+// The V scale bytes of positions (row, row + 1) of one scale block s: swizzled, the pair is
+// adjacent (row 4(row/4) + s/G, column (s%G)*4 + row%4, row even); linear, two bytes.
+template <int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ uint32_t load_v_scales(const PageView<kLayout>& pv,
+                                                  const uint8_t* side, uint32_t row, int s,
+                                                  bool second) {
+  constexpr int kScales = Shape<kHead>::kScales;
+  const uint8_t* region = side + pv.side_data;
+  if constexpr (kSwizzle) {
+    constexpr int kGroup = kScales / 4;
+    const int32_t srow = pv.plane_row((row & ~3u) + s / kGroup);
+    const uint32_t bytes =
+        load_small<2>(region + srow * kScales + (s % kGroup) * 4 + int32_t(row & 3u));
+    return second ? bytes : (bytes & 0xFFu);
+  } else {
+    uint32_t bytes = load_small<1>(region + pv.plane_row(row) * kScales + s);
+    if (second) bytes |= load_small<1>(region + pv.plane_row(row + 1) * kScales + s) << 8;
+    return bytes;
+  }
+}
+
+// A chunk whose positions are all valid and whose tiles each lie in one page (the common
+// case): no per-position checks, one block-table entry per tile, and per tile one 64-bit
+// address per region; the other positions are constant offsets from it (HND).
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void load_chunk_full(Chunk<kHead>& c, const PageView<kLayout>& pv,
+                                                const TilePages<Shape<kHead>::kTiles>& pages,
+                                                int lane) {
   using S = Shape<kHead>;
   const int g = lane >> 2, qd = lane & 3;
-  uint32_t chunk_row = 0;
-  int64_t chunk_page = 0;
-  if (pv.chunk_in_page) chunk_page = pv.locate(base, &chunk_row);
+  // Plane rows between a position and the next one.
+  const uint32_t step = kLayout == Layout::kHND ? 1u : uint32_t(pv.num_kv_heads);
 #pragma unroll
-  for (int i = 0; i < 2 * S::kTiles; ++i) {
+  for (int tile = 0; tile < S::kTiles; ++tile) {
+    const uint8_t* page = pv.cache + pv.page_offset(pages.page[tile]);
+    const uint32_t k_row = uint32_t(pv.plane_row(pages.row[tile] + g));
+    const uint32_t v_pos = pages.row[tile] + 2 * qd;
+    const uint32_t v_row = uint32_t(pv.plane_row(v_pos));
+    const uint8_t* k_data = page + (k_row * (kHead / 2) + qd * (kHead / 8));
+    const uint8_t* k_scale = page + (uint32_t(pv.side_data) + k_row * S::kScales +
+                                     qd * S::kKScaleBytes);
+    const uint8_t* v_side = page + uint32_t(pv.side_bytes);
+    const uint8_t* v_data = v_side + (v_row * (kHead / 2) + g * (kHead / 16));
+    const uint8_t* v_scales = v_side + uint32_t(pv.side_data);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 2 * tile + half;
+      const uint32_t rows8 = 8 * half * step;  // plane rows of 8 positions
+      if constexpr (kPart == Part::kK) {
+        load_words<kHead / 8>(k_data + rows8 * (kHead / 2), c.k[i]);
+        c.k_scale[i] = load_small<S::kKScaleBytes>(k_scale + rows8 * S::kScales);
+        continue;
+      }
+      load_words<kHead / 16>(v_data + rows8 * (kHead / 2), c.v[i][0]);
+      load_words<kHead / 16>(v_data + (rows8 + step) * (kHead / 2), c.v[i][1]);
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b) {
+        const int s = (kHead / 16) * g / 8 + b;
+        if constexpr (kSwizzle) {
+          constexpr int kGroup = S::kScales / 4;
+          const uint32_t srow = uint32_t(pv.plane_row((v_pos & ~3u) + s / kGroup));
+          c.v_scale[i][b] = load_small<2>(v_scales + ((srow + rows8) * S::kScales +
+                                                      (s % kGroup) * 4 + (v_pos & 3u)));
+        } else {
+          const uint8_t* at = v_scales + ((v_row + rows8) * S::kScales + s);
+          c.v_scale[i][b] = load_small<1>(at) | (load_small<1>(at + step * S::kScales) << 8);
+        }
+      }
+    }
+  }
+}
+
+// Any chunk: positions past `end` are not read (their K and V scales are zero: V adds
+// nothing, K's scores are masked), pages are looked up per position where tiles may cross
+// pages.
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void load_chunk_checked(Chunk<kHead>& c, const PageView<kLayout>& pv,
+                                                   const TilePages<Shape<kHead>::kTiles>& pages,
+                                                   uint32_t base, uint32_t end, int lane) {
+  using S = Shape<kHead>;
+  const int g = lane >> 2, qd = lane & 3;
+  int64_t tile_page[S::kTiles];
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) tile_page[tile] = pv.page_offset(pages.page[tile]);
+#pragma unroll
+  for (int i = 0; i < 2 * S::kTiles && kPart == Part::kK; ++i) {
     const uint32_t pos = base + g + 8 * i;
 #pragma unroll
     for (int w = 0; w < S::kKWords; ++w) c.k[i][w] = 0;
     c.k_scale[i] = 0;
     if (pos < end) {
-      uint32_t row = chunk_row + g + 8 * i;
-      const int64_t page = pv.chunk_in_page ? chunk_page : pv.locate(pos, &row);
+      uint32_t row = pages.row[i / 2] + g + 8 * (i % 2);
+      const int64_t page = pv.tile_in_page ? tile_page[i / 2] : pv.locate(pos, &row);
       const uint8_t* side = pv.cache + page;
       const int32_t prow = pv.plane_row(row);
       load_words<kHead / 8>(side + prow * (kHead / 2) + qd * (kHead / 8), c.k[i]);
@@ -205,7 +333,7 @@ __device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView& pv, 
     }
   }
 #pragma unroll
-  for (int i = 0; i < 2 * S::kTiles; ++i) {
+  for (int i = 0; i < 2 * S::kTiles && kPart == Part::kV; ++i) {
     const uint32_t pos = base + 2 * qd + 8 * i;  // even: pos and pos + 1 share a page
 #pragma unroll
     for (int t = 0; t < 2; ++t)
@@ -215,31 +343,29 @@ __device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView& pv, 
     for (int b = 0; b < S::kVBlocks; ++b) c.v_scale[i][b] = 0;
     if (pos < end) {
       const bool second = pos + 1 < end;
-      uint32_t row = chunk_row + 2 * qd + 8 * i;
-      const int64_t page = pv.chunk_in_page ? chunk_page : pv.locate(pos, &row);
+      uint32_t row = pages.row[i / 2] + 2 * qd + 8 * (i % 2);
+      const int64_t page = pv.tile_in_page ? tile_page[i / 2] : pv.locate(pos, &row);
       const uint8_t* side = pv.cache + page + pv.side_bytes;
       const int32_t prow = pv.plane_row(row), prow1 = pv.plane_row(row + 1);
       load_words<kHead / 16>(side + prow * (kHead / 2) + g * (kHead / 16), c.v[i][0]);
       if (second)
         load_words<kHead / 16>(side + prow1 * (kHead / 2) + g * (kHead / 16), c.v[i][1]);
 #pragma unroll
-      for (int b = 0; b < S::kVBlocks; ++b) {
-        const int s = (kHead / 16) * g / 8 + b;  // the lane's scale block
-        uint32_t bytes;
-        if constexpr (kSwizzle) {
-          // Rows 4(row/4) + s/G, columns (s%G)*4 + row%4 (format §4): the pair is adjacent.
-          constexpr int kGroup = S::kScales / 4;
-          const int32_t srow = pv.plane_row((row & ~3u) + s / kGroup);
-          bytes = load_small<2>(side + pv.side_data + srow * S::kScales +
-                                (s % kGroup) * 4 + int32_t(row & 3u));
-        } else {
-          bytes = load_small<1>(side + pv.side_data + prow * S::kScales + s);
-          if (second) bytes |= load_small<1>(side + pv.side_data + prow1 * S::kScales + s) << 8;
-        }
-        c.v_scale[i][b] = second ? bytes : (bytes & 0xFFu);
-      }
+      for (int b = 0; b < S::kVBlocks; ++b)
+        c.v_scale[i][b] = load_v_scales<kHead, kSwizzle>(pv, side, row,
+                                                         (kHead / 16) * g / 8 + b, second);
     }
   }
+}
+
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView<kLayout>& pv,
+                                           const TilePages<Shape<kHead>::kTiles>& pages,
+                                           uint32_t base, uint32_t end, int lane) {
+  if (pv.tile_in_page && base + Shape<kHead>::kChunk <= end)
+    load_chunk_full<kPart, kHead, kSwizzle>(c, pv, pages, lane);
+  else
+    load_chunk_checked<kPart, kHead, kSwizzle>(c, pv, pages, base, end, lane);
 }
 
 // The online-softmax state of one warp: query heads 2q and 2q+1 of this lane (columns of the
@@ -252,16 +378,14 @@ struct WarpState {
   float o[Shape<kHead>::kKTiles][4];
 };
 
+// S^T = K Q^T for a chunk: s[tile][r] is the score (log2 units) of position 16 tile + g
+// (r = 0, 1) or + 8 (r = 2, 3) with query head 2q (r even) or 2q + 1 (r odd).
 template <int kHead>
-__device__ __forceinline__ void process_chunk(const Chunk<kHead>& c, WarpState<kHead>& st,
-                                              const uint32_t (&qf)[Shape<kHead>::kKTiles][2],
-                                              const float (&score_scale)[2], uint32_t base,
-                                              uint32_t end, int lane) {
+__device__ __forceinline__ void chunk_scores(const Chunk<kHead>& c,
+                                             const uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+                                             const float (&score_scale)[2],
+                                             float (&s)[Shape<kHead>::kTiles][4]) {
   using S = Shape<kHead>;
-  const int g = lane >> 2;
-
-  // K block scales, f16x2 broadcast, one per (token, code word pair).
-  float s[S::kTiles][4];
 #pragma unroll
   for (int tile = 0; tile < S::kTiles; ++tile) {
     float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -294,7 +418,17 @@ __device__ __forceinline__ void process_chunk(const Chunk<kHead>& c, WarpState<k
 #pragma unroll
     for (int r = 0; r < 4; ++r) s[tile][r] = (acc[0][r] + acc[1][r]) * score_scale[r & 1];
   }
+}
 
+// The online softmax over a chunk's scores: updates the warp's max, sum and O scale, and
+// returns P^T as the B operand of the second MMA (p0: positions 2q, 2q+1; p1: 2q+8, 2q+9).
+template <int kHead>
+__device__ __forceinline__ void chunk_softmax(float (&s)[Shape<kHead>::kTiles][4],
+                                              WarpState<kHead>& st, uint32_t base, uint32_t end,
+                                              int lane, uint32_t (&p0)[Shape<kHead>::kTiles],
+                                              uint32_t (&p1)[Shape<kHead>::kTiles]) {
+  using S = Shape<kHead>;
+  const int g = lane >> 2;
   // Positions past the end (of the split or the sequence) never count, whatever they hold.
   if (base + S::kChunk > end) {
 #pragma unroll
@@ -331,16 +465,30 @@ __device__ __forceinline__ void process_chunk(const Chunk<kHead>& c, WarpState<k
       p[tile][r] = exp2_approx(s[tile][r] - offset[r & 1]);
       st.l[r & 1] += p[tile][r];
     }
+  // The running max changes in the first chunks and rarely after: rescale only then.
+  if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
-  for (int t = 0; t < S::kKTiles; ++t)
+    for (int t = 0; t < S::kKTiles; ++t)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) st.o[t][r] *= alpha[r & 1];
+      for (int r = 0; r < 4; ++r) st.o[t][r] *= alpha[r & 1];
+  }
 
 #pragma unroll
   for (int tile = 0; tile < S::kTiles; ++tile) {
     // P^T as the B operand: column (query head) g, rows (tokens) 2q, 2q+1 and 2q+8, 2q+9.
-    const uint32_t p0 = transpose_8x8(pack_f16x2(p[tile][0], p[tile][1]));
-    const uint32_t p1 = transpose_8x8(pack_f16x2(p[tile][2], p[tile][3]));
+    p0[tile] = transpose_8x8(pack_f16x2(p[tile][0], p[tile][1]));
+    p1[tile] = transpose_8x8(pack_f16x2(p[tile][2], p[tile][3]));
+  }
+}
+
+// O^T += V^T P^T for a chunk.
+template <int kHead>
+__device__ __forceinline__ void chunk_accumulate(const Chunk<kHead>& c, WarpState<kHead>& st,
+                                                 const uint32_t (&p0)[Shape<kHead>::kTiles],
+                                                 const uint32_t (&p1)[Shape<kHead>::kTiles]) {
+  using S = Shape<kHead>;
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) {
     uint32_t scale[2][S::kVBlocks];
 #pragma unroll
     for (int half = 0; half < 2; ++half)
@@ -367,7 +515,7 @@ __device__ __forceinline__ void process_chunk(const Chunk<kHead>& c, WarpState<k
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const uint32_t a[4] = {x[0][k][j], x[0][k][j + 2], x[1][k][j], x[1][k][j + 2]};
-          mma_16816(st.o[4 * w + 2 * k + j], a, p0, p1);
+          mma_16816(st.o[4 * w + 2 * k + j], a, p0[tile], p1[tile]);
         }
     }
   }
@@ -410,8 +558,8 @@ struct Grid {
   FastDivmod head_tiles, num_kv_heads, batch, block_size;
 };
 
-template <int kHead, bool kSwizzle>
-__global__ void __launch_bounds__(kThreads, 2)
+template <int kHead, bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kThreads, Shape<kHead>::kMinCtasPerSm)
     DecodeKernel(const DecodeProblem p, const Grid grid) {
   using S = Shape<kHead>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -483,19 +631,18 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
   const int32_t side_bytes = int32_t(p.page.side_bytes());
-  PageView pv;
+  PageView<kLayout> pv;
   pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
   pv.table = p.block_tables + (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
              int64_t(b) * p.max_blocks;
   pv.page_bytes = 2 * int64_t(side_bytes);
   pv.side_bytes = side_bytes;
   pv.side_data = int32_t(p.page.side_data_bytes());
-  const bool hnd = p.page.layout == Layout::kHND;
-  pv.head_row = hnd ? int32_t(kv_head) * block_size : int32_t(kv_head);
-  pv.row_stride = hnd ? 1 : num_kv_heads;
+  pv.head_row = kLayout == Layout::kHND ? int32_t(kv_head) * block_size : int32_t(kv_head);
+  pv.num_kv_heads = num_kv_heads;
   pv.last_page = p.num_blocks - 1;
   pv.block_size = grid.block_size;
-  pv.chunk_in_page = block_size % S::kChunk == 0;
+  pv.tile_in_page = block_size % 16 == 0;
 
   WarpState<kHead> st;
   st.m[0] = st.m[1] = -INFINITY;
@@ -505,22 +652,32 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int r = 0; r < 4; ++r) st.o[t][r] = 0.f;
 
-  // Chunks of this split, warp w taking w, w + 4, ...; the next chunk's bytes are loaded
-  // before the current one is computed (two register sets, used in turn).
+  // Chunks of this split, warp w taking w, w + 4, ... One set of chunk registers: the next
+  // chunk's K is loaded as soon as this chunk's scores are computed, its V once this chunk's
+  // values are accumulated; block-table entries are read a chunk ahead of that.
   const int num_chunks = (end - begin + S::kChunk - 1) / S::kChunk;
-  Chunk<kHead> ping, pong;
+  const auto chunk_base = [&](int chunk) { return uint32_t(begin + chunk * S::kChunk); };
+  Chunk<kHead> c;
   int chunk = warp;
-  if (chunk < num_chunks) load_chunk<kHead, kSwizzle>(ping, pv, begin + chunk * S::kChunk, end, lane);
-  while (chunk < num_chunks) {
-    if (chunk + kWarps < num_chunks)
-      load_chunk<kHead, kSwizzle>(pong, pv, begin + (chunk + kWarps) * S::kChunk, end, lane);
-    process_chunk<kHead>(ping, st, qf, score_scale, begin + chunk * S::kChunk, end, lane);
-    chunk += kWarps;
-    if (chunk >= num_chunks) break;
-    if (chunk + kWarps < num_chunks)
-      load_chunk<kHead, kSwizzle>(ping, pv, begin + (chunk + kWarps) * S::kChunk, end, lane);
-    process_chunk<kHead>(pong, st, qf, score_scale, begin + chunk * S::kChunk, end, lane);
-    chunk += kWarps;
+  TilePages<S::kTiles> pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk), end);
+  if (chunk < num_chunks) {
+    load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
+    load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
+  }
+  pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk + kWarps), end);
+#pragma unroll 1
+  for (; chunk < num_chunks; chunk += kWarps) {
+    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kWarps), end);
+    const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kWarps);
+    const bool has_next = chunk + kWarps < num_chunks;
+    float s[S::kTiles][4];
+    chunk_scores<kHead>(c, qf, score_scale, s);
+    if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+    uint32_t p0[S::kTiles], p1[S::kTiles];
+    chunk_softmax<kHead>(s, st, base, end, lane, p0, p1);
+    chunk_accumulate<kHead>(c, st, p0, p1);
+    if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+    pages = later;
   }
 
   // The lane's share of l -> the column's.
@@ -605,14 +762,14 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
   if (d == 0) p.lse[row] = (offset + __log2f(sum)) * kLn2;
 }
 
-template <int kHead, bool kSwizzle>
+template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
   const int group = p.num_q_heads / int(p.page.num_kv_heads);
   const int head_tiles = (group + kHeadsPerCta - 1) / kHeadsPerCta;
   const int64_t units = int64_t(p.stacked) * p.batch * p.page.num_kv_heads * head_tiles;
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                   FastDivmod(uint32_t(p.batch)), FastDivmod(uint32_t(p.page.block_size))};
-  DecodeKernel<kHead, kSwizzle>
+  DecodeKernel<kHead, kSwizzle, kLayout>
       <<<dim3(uint32_t(units), uint32_t(p.num_splits)), kThreads, 0, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess || p.num_splits == 1) return error;
@@ -621,9 +778,16 @@ cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
   return cudaGetLastError();
 }
 
+// Head size, V-scale order and layout are compile-time in the kernel (register arrays and
+// address arithmetic depend on them).
 template <int kHead>
-cudaError_t LaunchForSwizzle(cudaStream_t stream, const DecodeProblem& p) {
-  return p.page.v_scale_swizzle ? Launch<kHead, true>(stream, p) : Launch<kHead, false>(stream, p);
+cudaError_t LaunchForOptions(cudaStream_t stream, const DecodeProblem& p) {
+  const bool hnd = p.page.layout == Layout::kHND;
+  if (p.page.v_scale_swizzle)
+    return hnd ? Launch<kHead, true, Layout::kHND>(stream, p)
+               : Launch<kHead, true, Layout::kNHD>(stream, p);
+  return hnd ? Launch<kHead, false, Layout::kHND>(stream, p)
+             : Launch<kHead, false, Layout::kNHD>(stream, p);
 }
 
 ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
@@ -648,15 +812,36 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
     return DecodeArgumentError("more than 2^31 CTAs");
   cudaError_t launched;
   switch (p.page.head_size) {
-    case 64: launched = LaunchForSwizzle<64>(stream, p); break;
-    case 128: launched = LaunchForSwizzle<128>(stream, p); break;
-    default: launched = LaunchForSwizzle<256>(stream, p); break;
+    case 64: launched = LaunchForOptions<64>(stream, p); break;
+    case 128: launched = LaunchForOptions<128>(stream, p); break;
+    default: launched = LaunchForOptions<256>(stream, p); break;
   }
   if (launched != cudaSuccess) return CudaError("paged_attention", "kernel launch", launched);
   return ffi::Error::Success();
 }
 
+template <int kHead>
+int ResidentCtas() {
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &ctas, DecodeKernel<kHead, true, Layout::kHND>, kThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ctas;
+}
+
 }  // namespace
+
+int DecodeResidentCtasPerSm(int head_size) {
+  switch (head_size) {
+    case 64: return ResidentCtas<64>();
+    case 128: return ResidentCtas<128>();
+    case 256: return ResidentCtas<256>();
+    default: return 0;
+  }
+}
+
 }  // namespace nvfp4
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

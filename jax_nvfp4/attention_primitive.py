@@ -44,11 +44,13 @@ KERNEL_HEAD_SIZES = (64, 128, 256)
 #: Implementations a caller may ask for (``"jnp"`` never reaches the primitive).
 IMPLS = ("auto", "kernel", "jnp")
 
-# Split-KV policy (see _plan_splits).
-_TOKENS_PER_CTA_STEP = 128      # one step of a CTA: 4 warps x 32 tokens (ffi/decode_cuda.cu)
-_MIN_TOKENS_PER_SPLIT = 512
-_CTAS_PER_SM = 4
+# Split-KV policy (see plan_splits).
+_TOKENS_PER_CTA_STEP = 128      # one step of a CTA: 4 warps x 32 positions (ffi/decode_cuda.cu)
+_MIN_TOKENS_PER_SPLIT = 256     # shorter splits cost more in partial results than they gain
 _MAX_SPLITS = 256
+_CTA_START_COST = 128           # a CTA's start (q, setup, merge of its warps), in positions
+_MERGE_COST = 256               # the merge kernel, in positions of one wave
+_DEFAULT_CTAS_PER_SM = 3        # when the GPU cannot be asked (ffi/decode_cuda.cu, kMinCtasPerSm)
 
 if _ffi.built_with_cuda():
     jax.ffi.register_ffi_target(DECODE_TARGET, _ffi.decode_registrations()["CUDA"],
@@ -136,27 +138,43 @@ def _sm_count() -> int:
         return 132
 
 
+def _resident_ctas(head_size: int) -> int:
+    """CTAs of the kernel per SM on this GPU (asked of the CUDA runtime: registers decide)."""
+    try:
+        return int(_ffi.decode_resident_ctas_per_sm(head_size)) or _DEFAULT_CTAS_PER_SM
+    except (AttributeError, RuntimeError):
+        return _DEFAULT_CTAS_PER_SM
+
+
 def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
-                max_tokens: int, sm_count: int) -> tuple[int, int]:
+                max_tokens: int, sm_count: int,
+                ctas_per_sm: int = _DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
     """Split-KV plan: ``(num_splits, tokens_per_split)``.
 
     One CTA attends for one (stacked member, sequence, kv head, group of up to 8 query heads)
-    over ``tokens_per_split`` positions. Enough splits that the grid fills the GPU
-    (``_CTAS_PER_SM`` CTAs per SM) when batch x heads alone does not, but no split shorter than
-    ``_MIN_TOKENS_PER_SPLIT`` positions (each split costs a partial result and its merge). The
-    plan depends only on static shapes, so a jitted step compiles once; a short sequence skips
-    the splits past its length.
+    over ``tokens_per_split`` positions (a multiple of 128). The plan picks the number of
+    splits that minimises the modelled time: whole waves of ``sm_count * ctas_per_sm`` CTAs,
+    each as long as its split plus a start cost, plus the merge when there are several
+    splits. This fills the GPU at batch 1 and long context as at large batch and short
+    context, and avoids a nearly empty last wave. At most one split per 256 positions, and at
+    most 256 splits. The plan depends only on static shapes, so a jitted step compiles once;
+    a short sequence skips the splits past its length.
     """
     group = num_q_heads // num_kv_heads
     units = stacked * batch * num_kv_heads * -(-group // 8)
+    slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)
-    wanted = -(-(_CTAS_PER_SM * sm_count) // units)
-    by_length = -(-max_tokens // _MIN_TOKENS_PER_SPLIT)
-    splits = max(1, min(wanted, by_length, _MAX_SPLITS))
     step = _TOKENS_PER_CTA_STEP
-    tokens_per_split = -(-max_tokens // splits)
-    tokens_per_split = -(-tokens_per_split // step) * step
-    return -(-max_tokens // tokens_per_split), tokens_per_split
+    best = None
+    for wanted in range(1, max(1, min(_MAX_SPLITS, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))) + 1):
+        per_split = -(-max_tokens // wanted)
+        per_split = -(-per_split // step) * step
+        splits = -(-max_tokens // per_split)
+        waves = -(-(units * splits) // slots)
+        cost = waves * (per_split + _CTA_START_COST) + (_MERGE_COST if splits > 1 else 0)
+        if best is None or cost < best[0]:
+            best = (cost, splits, per_split)
+    return best[1], best[2]
 
 
 def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
@@ -166,7 +184,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     stacked, batch, num_q_heads, head_size = q.shape
     max_tokens = block_tables.shape[2] * geo.block_size
     splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
-                                           max_tokens, _sm_count())
+                                           max_tokens, _sm_count(), _resident_ctas(head_size))
     partial = splits if splits > 1 else 0  # one split writes the output directly
     results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
                jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),

@@ -3,8 +3,9 @@
 Each case fills a cache with ``jax_nvfp4.reshape_and_cache`` from fresh random K/V through a
 random page assignment, reads the stored values back with ``jax_nvfp4.dequantize`` (float32,
 exact: E2M1 * E4M3 * scale rounds once) and computes the reference attention per sequence and
-query head in float64. The readers must then agree with it up to float32 arithmetic, and, for a
-bf16/fp16 query, up to the rounding of the output.
+query head in float64 (``Case`` and ``dense_reference`` live in tests/attention_cases.py). The
+readers must then agree with it up to float32 arithmetic, and, for a bf16/fp16 query, up to the
+rounding of the output.
 
 Bounds (measured on jax 0.10.2 CPU over 72 cases: 6 seeds x both layouts x GQA 1/4/8 x
 float32/bf16 q, the same Case construction as below; then given margin):
@@ -30,121 +31,13 @@ from jax_nvfp4.attention import attend, paged_attention, paged_attention_bf16
 
 import hlo_checks as hc
 
-BLOCK_SIZE = 16
-#: lengths 1, block_size - 1, block_size, many blocks (and one more ragged length)
-LENS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, 5 * BLOCK_SIZE + 3, 40)
+from attention_cases import BLOCK_SIZE, LENS, Case, dense_reference
+
 F32_REL = 4e-6
 BF16_ULP = 2.0 ** -8
 
 # Jitted once per shape: far fewer compilations than running the ops one by one.
-_paged_attention = jax.jit(paged_attention,
-                           static_argnames=("layout", "v_scale_swizzle", "sm_scale"))
 _paged_attention_bf16 = jax.jit(paged_attention_bf16, static_argnames=("sm_scale",))
-_dequantize = jax.jit(jax_nvfp4.dequantize, static_argnames=("layout", "v_scale_swizzle", "dtype"))
-
-
-class Case:
-    """A filled NVFP4 cache plus the exact (float64) K/V of every sequence."""
-
-    def __init__(self, seed, lens=LENS, num_kv_heads=2, head_size=128, layout="HND",
-                 v_scale_swizzle=True, extra_pages=4, junk=True, scale_div=448.0):
-        rng = np.random.default_rng(seed)
-        self.rng, self.lens, self.layout = rng, list(lens), layout
-        self.num_kv_heads, self.head_size, self.swizzle = num_kv_heads, head_size, v_scale_swizzle
-        need = [math.ceil(n / BLOCK_SIZE) for n in lens]
-        self.num_blocks = sum(need) + extra_pages
-        self.max_blocks = max(need) + 2          # at least two padding columns everywhere
-        perm = rng.permutation(self.num_blocks)  # random page assignment
-        tables = np.full((len(lens), self.max_blocks), -1, np.int32)
-        start = 0
-        for b, n in enumerate(need):
-            tables[b, :n] = perm[start:start + n]
-            start += n
-        self.tables = tables
-        self.spare_pages = perm[start:]          # pages no sequence owns
-        self.slots = [tables[b, np.arange(n) // BLOCK_SIZE] * BLOCK_SIZE
-                      + np.arange(n) % BLOCK_SIZE for b, n in enumerate(lens)]
-
-        slots = np.concatenate(self.slots).astype(np.int32)
-        shape = (len(slots), num_kv_heads, head_size)
-        key = rng.standard_normal(shape) * 1.5
-        value = rng.standard_normal(shape)
-        key[:, :, :8] += 3.0 * rng.standard_normal((len(slots), num_kv_heads, 1))  # outliers
-        key, value = (jnp.asarray(x, jnp.bfloat16) for x in (key, value))
-        self.k_scale = jnp.max(jnp.abs(key.astype(jnp.float32))) / scale_div
-        self.v_scale = jnp.max(jnp.abs(value.astype(jnp.float32))) / scale_div
-        cache = jax_nvfp4.allocate_kv_cache(self.num_blocks, BLOCK_SIZE, num_kv_heads, head_size,
-                                            layout)
-        cache = self._store(cache, key, value, slots)
-        if junk:
-            cache = self._store_junk(cache)
-        self.cache = cache
-        k, v = _dequantize(cache, self.k_scale, self.v_scale, layout=layout,
-                           v_scale_swizzle=v_scale_swizzle, dtype=jnp.float32)
-        self.k_pages, self.v_pages = k, v            # [num_blocks, block_size, H, D] float32
-        flat = (-1, num_kv_heads, head_size)
-        k, v = np.asarray(k, np.float64).reshape(flat), np.asarray(v, np.float64).reshape(flat)
-        self.k = [k[s] for s in self.slots]
-        self.v = [v[s] for s in self.slots]
-
-    def _store(self, cache, key, value, slots):
-        return jax_nvfp4.reshape_and_cache(key, value, cache, jnp.asarray(slots, jnp.int32),
-                                           self.k_scale, self.v_scale, layout=self.layout,
-                                           v_scale_swizzle=self.swizzle)
-
-    def _store_junk(self, cache):
-        """Rows no sequence attends to get large values and NaN: the masks must hide them."""
-        owned = {int(p) for row, n in zip(self.tables, self.lens)
-                 for p in row[:math.ceil(n / BLOCK_SIZE)]}
-        used = {int(s) for s in np.concatenate(self.slots)}
-        free = [s for s in range(self.num_blocks * BLOCK_SIZE)
-                if s not in used and (s // BLOCK_SIZE in owned or s // BLOCK_SIZE in
-                                      set(self.spare_pages.tolist()))]
-        shape = (len(free), self.num_kv_heads, self.head_size)
-        key = 50.0 * self.rng.standard_normal(shape)
-        value = 50.0 * self.rng.standard_normal(shape)
-        key[::3] = np.nan    # whole NaN head vectors: the E4M3 scale byte becomes NaN
-        value[::3] = np.nan
-        key, value = (jnp.asarray(x, jnp.bfloat16) for x in (key, value))
-        return self._store(cache, key, value, np.asarray(free, np.int32))
-
-    def query(self, num_q_heads, dtype, seed=1):
-        rng = np.random.default_rng(seed)
-        return jnp.asarray(rng.standard_normal((len(self.lens), num_q_heads, self.head_size)),
-                           dtype)
-
-    def reference(self, q, sm_scale=None):
-        return dense_reference(q, self.k, self.v, sm_scale)
-
-    def run(self, q, tables=None, lens=None, eager=False, **kw):
-        tables = self.tables if tables is None else tables
-        lens = self.lens if lens is None else lens
-        return (paged_attention if eager else _paged_attention)(q, self.cache, jnp.asarray(tables, jnp.int32),
-                               jnp.asarray(lens, jnp.int32), self.k_scale, self.v_scale,
-                               layout=self.layout, v_scale_swizzle=self.swizzle, **kw)
-
-    def bf16_caches(self, dtype=jnp.bfloat16):
-        """Plain paged caches holding this cache's dequantised values, same pages."""
-        return self.k_pages.astype(dtype), self.v_pages.astype(dtype)
-
-
-def dense_reference(q, ks, vs, sm_scale=None):
-    """float64 softmax attention, one sequence and query head at a time."""
-    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
-    batch, num_q_heads, head_size = q.shape
-    sm_scale = 1.0 / math.sqrt(head_size) if sm_scale is None else sm_scale
-    out = np.zeros_like(q)
-    for b in range(batch):
-        k, v = ks[b], vs[b]
-        if len(k) == 0:
-            continue
-        group = num_q_heads // k.shape[1]
-        for i in range(num_q_heads):
-            h = i // group
-            s = (k[:, h] @ q[b, i]) * sm_scale
-            p = np.exp(s - s.max())
-            out[b, i] = (p @ v[:, h]) / p.sum()
-    return out
 
 
 def assert_close(out, ref, q_dtype):
