@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from . import layout as _layout
 from . import reference as _reference
 from . import sharding as _sharding
-from .primitive import _ffi
+from .primitive import _ffi, require_devices_during_lowering
 
 #: Name of the FFI target (same string as ffi/decode_ffi.h).
 DECODE_TARGET = _ffi.DECODE_TARGET
@@ -215,13 +215,7 @@ def _cuda_lowering(ctx, q, kv_cache, *args, layout, v_scale_swizzle, impl):
 
 mlir.register_lowering(decode_p, _jnp_lowering)
 mlir.register_lowering(decode_p, _cuda_lowering, platform="cuda")
-# Like custom_partitioning's own primitive: lower with the device assignment known.
-try:
-    from jax._src import dispatch as _dispatch
-
-    _dispatch.prim_requires_devices_during_lowering.add(decode_p)
-except (ImportError, AttributeError):  # private API; only AOT lowering without devices needs it
-    pass
+require_devices_during_lowering(decode_p)
 
 
 def _jvp(primals, tangents, **params):

@@ -114,13 +114,20 @@ def _lowering(ctx, *args, layout, scale_search, v_scale_swizzle):
 mlir.register_lowering(store_p, _lowering, platform="cpu")
 mlir.register_lowering(store_p, _lowering if _ffi.built_with_cuda() else _missing_cuda_lowering,
                        platform="cuda")
-# Like custom_partitioning's own primitive: lower with the device assignment known.
-try:
-    from jax._src import dispatch as _dispatch
 
-    _dispatch.prim_requires_devices_during_lowering.add(store_p)
-except (ImportError, AttributeError):  # private API; only AOT lowering without devices needs it
-    pass
+
+def require_devices_during_lowering(primitive):
+    """Like custom_partitioning's own primitive: lower with the device assignment known (the
+    partitioned lowering needs it)."""
+    try:
+        from jax._src import dispatch as _dispatch
+
+        _dispatch.prim_requires_devices_during_lowering.add(primitive)
+    except (ImportError, AttributeError):  # private API; only AOT lowering without devices
+        pass
+
+
+require_devices_during_lowering(store_p)
 
 
 def _jvp(primals, tangents, **params):

@@ -373,6 +373,14 @@ def _loop(fn, args, axes, count):
     return tuple(np.stack(r) for r in zip(*results))
 
 
+def _check_layers_against_jnp(out, lse, ref, cases, args, dtype):
+    """Every layer's kernel output and lse against the jnp path's (ref = (outs, lses))."""
+    for l, case in enumerate(cases):
+        assert_out_close(out[l], ref[0][l], dtype, roundings=2, label="kernel~jnp")
+        assert_lse_close(lse[l], ref[1][l], kernel_lse_tol(case, args[0][l]),
+                         label="kernel~jnp", dtype=dtype)
+
+
 STACKED_VARIANTS = [(True, False), (False, False), (False, True)]
 STACKED_IDS = ["tables_shared-scales_per_layer", "tables_per_layer-scales_per_layer",
                "tables_per_layer-scales_shared"]
@@ -859,10 +867,8 @@ def test_gpu_vmap_over_layers_one_launch(gpu, shared_tables, shared_scales):
     loop = _loop(jax.jit(one), on_gpu, axes, LAYERS)
     ref = _loop(jax.jit(functools.partial(nv.paged_attention, return_lse=True, impl="jnp")),
                 args, axes, LAYERS)
-    for l, case in enumerate(_layers(shared_tables)):
-        assert_out_close(out[l], ref[0][l], jnp.bfloat16, roundings=2, label="kernel~jnp")
-        assert_lse_close(lse[l], ref[1][l], kernel_lse_tol(case, args[0][l]),
-                         label="kernel~jnp", dtype=jnp.bfloat16)
+    _check_layers_against_jnp(out, lse, ref, _layers(shared_tables), args, jnp.bfloat16)
+    for l in range(LAYERS):
         assert_out_close(out[l], loop[0][l], jnp.bfloat16, roundings=2, label="kernel~kernel")
         assert_lse_close(lse[l], loop[1][l], KERNEL_LSE_ABS, label="kernel~kernel",
                          dtype=jnp.bfloat16)
@@ -908,10 +914,7 @@ def test_gpu_scan_over_layers(gpu):
     out, lse = jax.device_get(jax.jit(step)(q, cache, tables, lens, ks, vs))
     ref = _loop(jax.jit(functools.partial(nv.paged_attention, return_lse=True, impl="jnp")),
                 args, axes, LAYERS)
-    for l, case in enumerate(_layers(False)):
-        assert_out_close(out[l], ref[0][l], jnp.float32, roundings=2, label="kernel~jnp")
-        assert_lse_close(lse[l], ref[1][l], kernel_lse_tol(case, args[0][l]),
-                         label="kernel~jnp", dtype=jnp.float32)
+    _check_layers_against_jnp(out, lse, ref, _layers(False), args, jnp.float32)
 
 
 @pytest.mark.gpu
