@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import layout as _layout
 from . import reference as _reference
-from . import sharding as _sharding
+from . import partitioning as _partitioning
 from .primitive import _ffi, require_devices_during_lowering
 
 #: Name of the FFI target (same string as ffi/decode_ffi.h).
@@ -328,14 +328,15 @@ def _plan(layout, shapes, q_sharding, cache_sharding):
     """Specs of the operands and results: the stacked axis as the cache has it (never move the
     cache), the batch axis as q has it, everything else replicated."""
     operands, results, _ = _factors(layout, shapes)
-    stack = _sharding._mesh_axes(_sharding._spec_entries(cache_sharding, len(shapes[1]))[0])
-    batch = _sharding._mesh_axes(_sharding._spec_entries(q_sharding, len(shapes[0]))[1])
+    stack = _partitioning.mesh_axes(
+        _partitioning.spec_entries(cache_sharding, len(shapes[1]))[0])
+    batch = _partitioning.mesh_axes(_partitioning.spec_entries(q_sharding, len(shapes[0]))[1])
     if set(stack) & set(batch):
         batch = ()
     kept = {"stack": stack, "batch": batch}
 
     def spec(names):
-        return PartitionSpec(*(_sharding._entry(kept.get(f, ())) for f in names))
+        return PartitionSpec(*(_partitioning.spec_entry(kept.get(f, ())) for f in names))
 
     return [spec(op) for op in operands], [spec(r) for r in results]
 
@@ -350,7 +351,7 @@ def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, res
 def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
     del layout, v_scale_swizzle
     out = user_shape[0]
-    entries = _sharding._spec_entries(out.sharding, len(out.shape))
+    entries = _partitioning.spec_entries(out.sharding, len(out.shape))
     keep = PartitionSpec(entries[0], entries[1], None, None)
     return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:3])))
 

@@ -3,7 +3,7 @@
 The primitive ``nvfp4_reshape_and_cache`` takes (key, value, kv_cache, slot_mapping, k_scale,
 v_scale) and returns the updated cache. Its lowering is an XLA FFI custom call whose result is
 aliased to the ``kv_cache`` operand, so with the cache donated XLA updates it in place. Under a
-multi-device jit that call is wrapped in custom partitioning (sharding.py) so that each device
+multi-device jit that call is wrapped in custom partitioning (partitioning.py) so that each device
 runs it on its own shard.
 """
 
@@ -28,7 +28,7 @@ except ImportError as error:  # pragma: no cover - depends on how the package wa
         "with `pip install -e .`.") from error
 from . import checks
 from . import layout as _layout
-from . import sharding as _sharding
+from . import partitioning as _partitioning
 
 #: Name of the FFI target (same string as ffi/store_ffi.h).
 STORE_TARGET = _ffi.STORE_TARGET
@@ -102,11 +102,11 @@ def _bind_local(*args, **params):
 
 
 def _lowering(ctx, *args, layout, scale_search, v_scale_swizzle):
-    """The FFI call under custom partitioning (sharding.py): on one device (or inside
+    """The FFI call under custom partitioning (partitioning.py): on one device (or inside
     shard_map) that is the bare call; under a sharded jit each device stores its own layers
     (or head groups) and pages in place, and operands sharded along any other axis are
     gathered first. Applied here rather than at bind so that vmap re-enters it."""
-    partitioned = _sharding.partitioned_store(_bind_local)
+    partitioned = _partitioning.partitioned_store(_bind_local)
     fun = lambda *a: partitioned(*a, layout, scale_search, v_scale_swizzle)
     return mlir.lower_fun(fun, multiple_results=False)(ctx, *args)
 

@@ -1,5 +1,6 @@
 """The store under a multi-device jit: correct bytes for every sharding, and no collective and
-no copy of the cache for the shardings it can split (jax_nvfp4/sharding.py).
+no copy of the cache for the shardings it can split (the rules: jax_nvfp4/partitioning.py; the
+head-grouped cache: jax_nvfp4/sharding.py).
 
 The meshes use the devices of one platform: the GPUs where there are some, else the 8 virtual
 CPU devices of conftest.py. Cases needing more devices than there are are skipped.
@@ -24,7 +25,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
-from jax_nvfp4 import sharding as shd
+from jax_nvfp4 import partitioning, sharding as shd
 from jax_nvfp4.layout import CacheGeometry
 
 import hlo_checks as hc
@@ -190,7 +191,7 @@ def test_blocks_and_groups_on_a_2d_mesh():
 
 def _cache_spec(layout, **named):
     """Cache PartitionSpec with mesh axes on named cache axes (blocks, side, heads, rows, f)."""
-    axes = shd._cache_axes(layout, layered=False)
+    axes = partitioning.cache_axes(layout, layered=False)
     entries = [None] * 5
     for name, mesh_axis in named.items():
         entries[axes[name]] = mesh_axis
