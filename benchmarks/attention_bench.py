@@ -84,7 +84,7 @@ METHODS = ("kernel", "jnp", "bf16", "dense", "glue")
 LABELS = {"kernel": "nvfp4 kernel (impl=auto)", "jnp": "nvfp4 jnp (impl=jnp)",
           "bf16": "bf16 paged (jnp)", "dense": "dense dpa", "glue": "chain glue (no attention)"}
 
-# Targets of the issue: % of the copy ceiling for the kernel, and the ragged batch's time over
+# The project's targets: % of the copy ceiling for the kernel, and the ragged batch's time over
 # its own bytes floor.
 TARGET_PCT = {"32x32768": 70, "8x32768": 70, "1x131072": 70, "128x4096": 70, "32x8192": 50,
               "128x1024": 50}

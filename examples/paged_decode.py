@@ -225,7 +225,7 @@ def prefill(cfg, params, tokens, lens):
 
 
 def calibrate(ks, vs, lens):
-    """Per-layer k_scale, v_scale = amax over the prompts' valid tokens / 448 (spec §1)."""
+    """Per-layer k_scale, v_scale: amax of the prompts' valid tokens / 448 (docs/format.md §1)."""
     valid = (jnp.arange(ks[0].shape[1])[None, :] < lens[:, None])[..., None, None]
 
     def scale(x):

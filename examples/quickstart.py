@@ -16,7 +16,7 @@ def main():
     rng = np.random.default_rng(0)
     key = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_size)), jnp.bfloat16)
     value = jnp.asarray(rng.standard_normal((num_tokens, num_kv_heads, head_size)), jnp.bfloat16)
-    # Global scales from calibration: amax / 448 (spec §1).
+    # Global scales from calibration: amax / 448 (docs/format.md §1).
     k_scale = jnp.max(jnp.abs(key.astype(jnp.float32))) / 448
     v_scale = jnp.max(jnp.abs(value.astype(jnp.float32))) / 448
 

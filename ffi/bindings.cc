@@ -38,7 +38,8 @@ NB_MODULE(_ffi, m) {
   }, "Decode-attention handlers by XLA platform name (CUDA only; the CPU runs the jnp path).");
   m.def("_e2m1_code_mismatches", []() {
     // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
-    // the comparison ladder of spec §2 step 5 on |y|. Returns how many differ (a test expects 0).
+    // the comparison table of docs/format.md §2 step 6 on |y|. Returns how many differ (the
+    // test expects 0).
     uint64_t mismatches = 0;
     for (uint32_t u = 0; u <= 0x7FFFFFFFu; ++u) {
       const uint32_t ladder = nvfp4::e2m1_magnitude_code_ladder(nvfp4::bits_float(u));

@@ -1,14 +1,14 @@
 // NVFP4 numerics and page layout shared by the CPU and CUDA store kernels.
 //
-// Everything here follows ../shared/NVFP4_SPEC.md (cited as "spec §N"). The functions are
+// Everything here follows docs/format.md (cited as "docs/format.md §N"). The functions are
 // inline and usable from host and device code so that both kernels compute the same bytes.
 // Every float operation whose rounding matters goes through mul_rn/add_rn/div_rn: on the
 // device these are the correctly rounded intrinsics (never contracted into an FMA); on the
 // host the library is compiled with -ffp-contract=off, so plain operators are exact IEEE
 // float32 operations.
 //
-// Float32 subnormals flush to zero, as inputs and as results of every operation: the spec is
-// silent here, and this is what XLA:CPU does to the jnp reference (it runs with FTZ and DAZ
+// Float32 subnormals flush to zero, as inputs and as results of every operation
+// (docs/format.md §2): this is what XLA:CPU does to the jnp reference (it runs with FTZ and DAZ
 // set) and what GPU kernels commonly do. The CUDA code is compiled with --ftz=true and the
 // CPU handler sets FTZ/DAZ itself (FlushDenormalsScope), so all three agree on such inputs.
 #pragma once
@@ -29,11 +29,11 @@
 
 namespace nvfp4 {
 
-// Elements per FP8 block scale (spec §1).
+// Elements per FP8 block scale (docs/format.md §1).
 constexpr int kBlockElems = 16;
-// Packed bytes of one 16-element block: two e2m1 codes per byte (spec §2 step 6).
+// Packed bytes of one 16-element block: two e2m1 codes per byte (docs/format.md §2 step 7).
 constexpr int kBlockBytes = kBlockElems / 2;
-// Largest finite e4m3fn magnitude; the block scale saturates here (spec §2 step 3).
+// Largest finite e4m3fn magnitude; the block scale saturates here (docs/format.md §2 step 4).
 constexpr float kE4M3Max = 448.0f;
 // The byte stored for a NaN block scale: positive e4m3fn NaN.
 constexpr uint8_t kE4M3NaN = 0x7F;
@@ -98,7 +98,7 @@ NVFP4_HD float bf16_bits_to_float(uint16_t h) { return bits_float(uint32_t(h) <<
 NVFP4_HD float f16_bits_to_float(uint16_t h) {
 #if defined(__CUDA_ARCH__)
   // Exact; the hardware conversion returns a canonical (positive) NaN, so put the sign back:
-  // a code's sign bit is the input's (spec §2 step 5), NaNs included.
+  // a code's sign bit is the input's (docs/format.md §2 step 6), NaNs included.
   return bits_float(float_bits(__half2float(__ushort_as_half(h))) | (uint32_t(h & 0x8000u) << 16));
 #else
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
@@ -113,7 +113,7 @@ NVFP4_HD float f16_bits_to_float(uint16_t h) {
 }
 
 // ---------------------------------------------------------------------------------------
-// E2M1 (spec §1, §2 step 5).
+// E2M1 (docs/format.md §1, §2 step 6).
 NVFP4_HD float e2m1_magnitude(uint8_t code) {
   switch (code & 7u) {
     case 0: return 0.0f;
@@ -127,7 +127,7 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
   }
 }
 
-// Magnitude code of |y| with the rounding of the comparison ladder of spec §2 step 5
+// Magnitude code of |y| with the rounding of the comparison ladder of docs/format.md §2 step 6
 // (`<= 0.25 -> 0, < 0.75 -> 1, <= 1.25 -> 2, ... <= 5 -> 6, else 7`; NaN -> 7), in a few
 // branch-free operations (the ladder itself, e2m1_magnitude_code_ladder, is what tests compare
 // this with, on every float):
@@ -170,15 +170,15 @@ NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
 }
 
 // Code of one element: magnitude of x * out_scale, sign bit of x. out_scale is never negative
-// (spec §2 step 4 divides two factors of the same sign), so this is the sign of y wherever y
-// is a number; for a NaN y it makes the sign deterministic (the sign of a NaN product is not
-// portable between x86, CUDA and XLA).
+// (docs/format.md §2 step 5 divides two factors of the same sign), so this is the sign of y
+// wherever y is a number; for a NaN y it makes the sign deterministic (the sign of a NaN
+// product is not portable between x86, CUDA and XLA).
 NVFP4_HD uint8_t e2m1_code(float x, float out_scale) {
   return uint8_t(((float_bits(x) >> 28) & 8u) | e2m1_magnitude_code(mul_rn(x, out_scale)));
 }
 
 // ---------------------------------------------------------------------------------------
-// E4M3 ("e4m3fn": bias 7, no infinities, 0x7F/0xFF NaN) (spec §2 step 3).
+// E4M3 ("e4m3fn": bias 7, no infinities, 0x7F/0xFF NaN) (docs/format.md §2 step 4).
 
 // Round to nearest even, saturate finite values and infinities to +-448, NaN -> 0x7F.
 // Branch-free (selects): normal results keep 3 of the 23 mantissa bits with ties to even on
@@ -213,14 +213,14 @@ NVFP4_HD float e4m3_decode(uint8_t byte) {
 }
 
 // ---------------------------------------------------------------------------------------
-// One 16-element block (spec §2, §3).
+// One 16-element block (docs/format.md §2, §3).
 
-// 1/6 and 1/4 rounded to float32 (spec §2 step 2, §3).
+// 1/6 and 1/4 rounded to float32 (docs/format.md §2 step 3, §3).
 constexpr float kRecip6 = 1.0f / 6.0f;
 constexpr float kRecip4 = 0.25f;
 
-// maxNum of |x|: a NaN element is ignored unless every element is NaN (spec §2 step 1), the
-// semantics of CUDA's fmaxf (signalling NaNs included). C's fmaxf may return NaN for a
+// maxNum of |x|: a NaN element is ignored unless every element is NaN (docs/format.md §2 step 2),
+// the semantics of CUDA's fmaxf (signalling NaNs included). C's fmaxf may return NaN for a
 // signalling NaN, so the host spells the rule out.
 NVFP4_HD float max_num(float m, float a) {
 #if defined(__CUDA_ARCH__)
@@ -260,7 +260,7 @@ NVFP4_HD StoreFactor store_factor(float scale) {
   return {g, div_rn(1.0f, g)};
 }
 
-// Spec §2 steps 2-4 for one candidate denominator (given as its float32 reciprocal).
+// docs/format.md §2 steps 3-5 for one candidate denominator (given as its float32 reciprocal).
 NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominator) {
   const float sf = mul_rn(f.g, mul_rn(amax, recip_denominator));
   const uint8_t byte = e4m3_encode(sf);
@@ -269,7 +269,8 @@ NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominat
   return {byte, out_scale};
 }
 
-// Reconstruction error of spec §3, pairwise in element order, every operation rounded alone.
+// Reconstruction error of docs/format.md §3: pairwise in element order, each operation
+// rounded alone.
 NVFP4_HD float block_error(const float* x, float out_scale) {
   float err = 0.0f;
   if (out_scale == 0.0f) {
@@ -310,7 +311,7 @@ NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearc
 }
 
 // ---------------------------------------------------------------------------------------
-// Page layout (spec §4). One page side (K or V of one block) is
+// Page layout (docs/format.md §4). One page side (K or V of one block) is
 // [data: num_kv_heads*block_size*head_size/2 | scales: num_kv_heads*block_size*head_size/16].
 struct PageGeometry {
   int64_t num_kv_heads;

@@ -1,5 +1,5 @@
-// CPU XLA FFI handler of the store (spec §5). Serial: the CPU backend exists so that every
-// machine can run and test the exact arithmetic, not for speed.
+// CPU XLA FFI handler of the store (docs/format.md §5). Serial: the CPU backend exists so that
+// every machine can run and test the exact arithmetic, not for speed.
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)

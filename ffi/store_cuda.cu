@@ -1,6 +1,6 @@
-// CUDA XLA FFI handler of the store (spec §5), for sm_90 and newer. The e2m1 conversion is the
-// software ladder of nvfp4_numerics.h on every architecture, so Hopper and Blackwell write the
-// same bytes as the CPU kernel and the jnp reference.
+// CUDA XLA FFI handler of the store (docs/format.md §5), for sm_90 and newer. The e2m1
+// conversion is the software ladder of nvfp4_numerics.h on every architecture, so Hopper and
+// Blackwell write the same bytes as the CPU kernel and the jnp reference.
 #include <cuda_runtime.h>
 
 #include <string>

@@ -1,4 +1,4 @@
-// The store of spec §5 for one 16-element block, shared by the CPU and CUDA kernels.
+// The store of docs/format.md §5 for one 16-element block, shared by the CPU and CUDA kernels.
 //
 // A call may carry a leading layer axis (vmap over stacked per-layer caches): key/value
 // [num_layers, num_tokens, num_kv_heads, head_size], kv_cache [num_layers, num_blocks, 2, ...],
@@ -29,7 +29,7 @@ struct StoreProblem {
   NVFP4_HD int64_t layer_cache_bytes() const { return num_blocks * 2 * page.side_bytes(); }
 
   // Slot of a token, or -1 when nothing may be written for it: negative slots are padding and
-  // slots past the cache are skipped (spec §5).
+  // slots past the cache are skipped (docs/format.md §5).
   NVFP4_HD int64_t valid_slot(int64_t layer, int64_t token) const {
     const int64_t i = layer * slots_layer_stride + token;
     const int64_t slot = slots_int64 ? static_cast<const int64_t*>(slot_mapping)[i]
@@ -37,7 +37,7 @@ struct StoreProblem {
     return (slot < 0 || slot >= num_blocks * page.block_size) ? -1 : slot;
   }
 
-  // g = 1/scale and 1/g (spec §2) for one layer's K (side 0) or V (side 1).
+  // g = 1/scale and 1/g (docs/format.md §2) for one layer's K (side 0) or V (side 1).
   NVFP4_HD StoreFactor factor(int64_t layer, int side) const {
     const float* scale = side == 0 ? k_scale : v_scale;
     return store_factor(scale[layer * scales_layer_stride]);

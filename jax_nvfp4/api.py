@@ -110,7 +110,7 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
                dtype=jnp.bfloat16):
     """Reads a whole NVFP4 cache back to floats.
 
-    Value = E2M1 code * E4M3 block scale * k_scale (v_scale for V), spec §1.
+    Value = E2M1 code * E4M3 block scale * k_scale (v_scale for V), docs/format.md §1.
 
     Args:
       kv_cache: ``uint8`` cache of :func:`kv_cache_shape` for ``layout``.

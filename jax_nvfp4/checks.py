@@ -1,4 +1,4 @@
-"""Trace-time validation of the store's arguments (spec §5): one function, used by the
+"""Trace-time validation of the store's arguments (docs/format.md §5): one function, used by the
 primitive's abstract evaluation and by the jnp reference, so both refuse the same calls with
 the same messages, each naming the argument and what was expected."""
 

@@ -1,4 +1,4 @@
-"""Geometry of the NVFP4 paged KV cache (spec §1 and §4): the one place it is computed in Python.
+"""Geometry of the NVFP4 paged KV cache (docs/format.md §1 and §4), computed in one place.
 
 A cache is one ``uint8`` array per attention layer:
 
@@ -22,16 +22,16 @@ BLOCK_ELEMS = 16
 CODES_PER_BYTE = 2
 #: Largest finite E4M3 magnitude.
 E4M3_MAX = 448.0
-#: The page layouts (spec §4).
+#: The page layouts (docs/format.md §4).
 LAYOUTS = ("HND", "NHD")
-#: Block-scale choices (spec §2 and §3).
+#: Block-scale choices (docs/format.md §2 and §3).
 SCALE_SEARCHES = ("default", "4over6")
 #: Magnitudes of the eight E2M1 codes (bit 3 is the sign).
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
-#: Names of a per-layer cache's axes, in order, for each layout (spec §4): the one place the
-#: HND/NHD axis order is written down in Python (ffi/store_ffi.h reads the same for C++).
+#: Names of a per-layer cache's axes, in order, for each layout (docs/format.md §4): the one place
+#: the HND/NHD axis order is written down in Python (ffi/store_ffi.h reads the same for C++).
 CACHE_AXES = {
     "HND": ("blocks", "side", "heads", "rows", "f"),
     "NHD": ("blocks", "side", "rows", "heads", "f"),
@@ -61,7 +61,7 @@ def check_head_size(head_size: int, v_scale_swizzle: bool, argument: str = "head
     if v_scale_swizzle and head_size % (4 * BLOCK_ELEMS):
         raise ValueError(
             f"{argument}={head_size}: swizzled V scales are a bijection only when head_size is a "
-            f"multiple of 64 (spec §4); use v_scale_swizzle=False for this head size")
+            f"multiple of 64 (docs/format.md §4); use v_scale_swizzle=False for this head size")
 
 
 def check_block_size(block_size: int, argument: str = "block_size") -> None:

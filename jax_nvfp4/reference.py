@@ -1,10 +1,11 @@
 """Pure-jnp reference of the store and its reader: the authority for the kernels' bytes.
 
-Run it on the CPU to get the bytes the kernels must produce (spec §3a: on a GPU, XLA may keep
-excess precision in places this code cannot see, and it does not flush float32 subnormals to
-zero as XLA:CPU and both kernels do; see ffi/nvfp4_numerics.h). Every float32 operation whose rounding the
-spec fixes is kept apart from its neighbours (``_rounded``) because XLA contracts ``a*b + c``
-into a fused multiply-add; E4M3 bytes are decoded through a table rather than a float8 round
+Run it on the CPU to get the bytes the kernels must produce (docs/format.md §8: on a GPU, XLA
+may keep excess precision in places this code cannot see, and it does not flush float32
+subnormals to zero as XLA:CPU and both kernels do; see ffi/nvfp4_numerics.h). Every float32
+operation whose rounding docs/format.md §2-§3 fixes is kept apart from its neighbours
+(``_rounded``) because XLA contracts ``a*b + c`` into a fused multiply-add; E4M3 bytes are
+decoded through a table rather than a float8 round
 trip that XLA may delete.
 """
 
@@ -53,7 +54,7 @@ def e4m3_decode(byte):
 
 
 def e2m1_codes(x, out_scale):
-    """Spec §2 step 5: magnitude of x*out_scale by the comparison ladder, sign bit of x."""
+    """Codes of x*out_scale (docs/format.md §2 step 6): magnitude by comparisons, x's sign."""
     a = jnp.abs(x * out_scale)
     mag = ((a > 0.25).astype(jnp.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75) + (a > 2.5)
            + (a >= 3.5) + (a > 5.0)).astype(jnp.uint8)
@@ -67,7 +68,7 @@ def e2m1_values(codes):
 
 
 def _block_amax(x):
-    """maxNum over the last axis of |x|: NaN ignored unless all are NaN (spec §2 step 1)."""
+    """maxNum over the last axis of |x|, NaN ignored unless all are (docs/format.md §2 step 2)."""
     a = jnp.abs(x)
     nan = jnp.isnan(a)
     m = jnp.max(jnp.where(nan, -jnp.inf, a), axis=-1)
@@ -84,7 +85,7 @@ def _block_scale(amax, g, inv_g, recip):
 
 
 def _block_error(x, out_scale):
-    """Spec §3: squared reconstruction error, pairwise in element order, no fused operation."""
+    """Squared reconstruction error, pairwise in element order, unfused (docs/format.md §3)."""
     out = out_scale[..., None]
     safe = jnp.where(out != 0, out, jnp.float32(1))
     deq = jnp.float32(1) / safe
@@ -99,7 +100,7 @@ def _block_error(x, out_scale):
 
 
 def store_factor(scale):
-    """g = 1/scale and 1/g, each a correctly rounded float32 division (spec §2).
+    """g = 1/scale and 1/g, each a correctly rounded float32 division (docs/format.md §2).
 
     Both are kept apart (``_rounded``): XLA simplifies ``1/(1/s)`` to ``s`` otherwise, which
     is not the same float32 number.
@@ -109,7 +110,7 @@ def store_factor(scale):
 
 
 def quantize_blocks(x, scale, scale_search="default"):
-    """Quantises x [..., 16] (float32) for the global scale ``scale`` (spec §2, §3).
+    """Quantises x [..., 16] (float32) for the global scale ``scale`` (docs/format.md §2, §3).
 
     Returns (codes uint8 [..., 16] with the sign in bit 3, scale bytes uint8 [...]).
     """
@@ -184,7 +185,7 @@ def dequantize_pages(pages, geo, k_scale, v_scale, *, v_scale_swizzle=True, dtyp
                                                  jnp.int32), axis=-1)
         values = e2m1_values(unpack_codes(packed))                     # [..., H, T, D]
         values = values.reshape(*values.shape[:-1], geo.scales_per_head, _BLOCK)
-        # Left to right as spec §1 writes it: E2M1 * E4M3 is exact, so this rounds once.
+        # Left to right as docs/format.md §1 writes it: E2M1 * E4M3 is exact, one rounding.
         x = (values * e4m3_decode(scale_bytes)[..., None]) * _scalar(scale)
         x = x.reshape(*lead, geo.num_kv_heads, geo.block_size, geo.head_size)
         out.append(jnp.swapaxes(x, -3, -2).astype(dtype))             # [..., T, H, D]

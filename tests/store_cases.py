@@ -5,8 +5,8 @@
   padding slots and, optionally, out-of-range slots (``>= num_blocks * block_size``), and
   k_scale/v_scale from the data's amax.
 * :func:`run_kernel` runs ``jax_nvfp4.reshape_and_cache`` under ``jax.jit`` on a chosen platform;
-  :func:`run_reference` runs the jnp reference, always on the CPU (spec §3a).
-* The byte positions a store writes are computed here again, straight from spec §4
+  :func:`run_reference` runs the jnp reference, always on the CPU (docs/format.md §8).
+* The byte positions a store writes are computed here again, straight from docs/format.md §4
   (:func:`spec_offsets`), independently of ``jax_nvfp4.layout``, so the tests also check
   the library's geometry.
 """
@@ -22,12 +22,13 @@ import numpy as np
 
 import jax_nvfp4
 from jax_nvfp4 import reference
+from jax_nvfp4 import testing as nvt
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 DTYPES = {"bf16": BF16, "fp16": F16}
 
-#: E2M1 magnitudes of the codes 0..7 (spec §1).
+#: E2M1 magnitudes of the codes 0..7 (docs/format.md §1).
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 
 
@@ -41,7 +42,7 @@ def x64():
 
 
 # ---------------------------------------------------------------------------------------------
-# Geometry, straight from spec §4.
+# Geometry, straight from docs/format.md §4.
 
 def head_bytes(head_size):
     return head_size // 2 + head_size // 16
@@ -57,7 +58,7 @@ def cache_shape(num_blocks, block_size, num_kv_heads, head_size, layout):
 def spec_offsets(slots, side, *, block_size, num_kv_heads, head_size, layout, v_scale_swizzle):
     """Flat byte offsets in the whole cache where valid ``slots`` [N] store one side (0 = K,
     1 = V): (data [N, num_kv_heads, head_size/2], scales [N, num_kv_heads, head_size/16]).
-    Written from spec §4, independently of ``jax_nvfp4.layout``."""
+    Written from docs/format.md §4, independently of ``jax_nvfp4.layout``."""
     d2, s_count = head_size // 2, head_size // 16
     side_bytes = num_kv_heads * block_size * head_bytes(head_size)
     slots = np.asarray(slots, np.int64).reshape(-1, 1, 1)
@@ -123,7 +124,8 @@ class StoreCase:
         return np.nonzero((s >= 0) & (s < self.num_slots))[0]
 
     def offsets(self, slots, side):
-        """Spec §4 offsets of ``slots`` [N]: (data [N, H, D/2], scales [N, H, D/16])."""
+        """Byte offsets of ``slots`` [N] (docs/format.md §4): (data [N, H, D/2], scales
+        [N, H, D/16])."""
         return spec_offsets(slots, side, block_size=self.block_size,
                             num_kv_heads=self.num_kv_heads, head_size=self.head_size,
                             layout=self.layout, v_scale_swizzle=self.v_scale_swizzle)
@@ -140,7 +142,7 @@ class StoreCase:
 
     def read(self, cache, side, tokens=None):
         """Bytes stored for ``tokens`` (default: all valid ones) on one side:
-        (packed [N, H, D/2], scale bytes [N, H, D/16]), read at the spec §4 offsets."""
+        (packed [N, H, D/2], scale bytes [N, H, D/16]), read at the docs/format.md §4 offsets."""
         tokens = self.valid_tokens() if tokens is None else np.asarray(tokens)
         flat = np.asarray(cache).reshape(-1)
         data, scales = self.offsets(self.slot_mapping[tokens], side)
@@ -233,11 +235,10 @@ REFERENCE_JIT = True
 def run_reference(case, scale_search="default", args=None, jit=None):
     """The jnp reference, always on the CPU; returns numpy bytes.
 
-    Eager by default: op by op, every float32 operation is rounded as the spec says. Under
-    ``jax.jit`` XLA's algebraic simplifier folds the reference's ``1 / (1 / k_scale)`` into
-    ``k_scale`` (not exact in float32), which changes ``out_scale`` in its last bit and flips
-    codes that sit right on a rounding boundary: see test_store.py::test_reference_under_jit
-    (a library bug, reported, not worked around in the library).
+    Under ``jax.jit`` by default (``REFERENCE_JIT``), else eagerly, op by op. Both give the
+    same bytes: the reference keeps ``1 / (1 / k_scale)`` from being folded into ``k_scale``
+    (docs/format.md §8), which test_store.py::test_reference_under_jit checks on a block where
+    the fold would flip a code.
     """
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):
@@ -264,6 +265,14 @@ def assert_bytes_equal(actual, expected, what="cache"):
         raise AssertionError(f"{what}: {len(bad)} of {actual.size} bytes differ; first: {first}")
 
 
+def assert_cache_equal(case, actual, expected, what="cache"):
+    """Whole caches written like ``case``: jax_nvfp4.testing names the first differing block
+    (page, K/V, head, row, values) and decodes it on both sides."""
+    nvt.assert_caches_equal(actual, expected, layout=case.layout,
+                            v_scale_swizzle=case.v_scale_swizzle, k_scale=case.k_scale,
+                            v_scale=case.v_scale, what=what)
+
+
 def assert_only_expected_bytes_changed(case, out, initial=None):
     """Bytes outside the written mask equal the initial cache; returns the mask."""
     initial = case.cache if initial is None else initial
@@ -283,7 +292,7 @@ def e4m3_byte_of_power_of_two(exponent):
 
 
 def pack(codes):
-    """16 e2m1 codes -> 8 bytes, element 2k in the low nibble (spec §2 step 6)."""
+    """16 e2m1 codes -> 8 bytes, element 2k in the low nibble (docs/format.md §2 step 7)."""
     codes = np.asarray(codes, np.uint8)
     return codes[0::2] | (codes[1::2] << 4)
 
@@ -295,9 +304,9 @@ def unpack(packed):
 
 
 # ---------------------------------------------------------------------------------------------
-# A third, independent model of spec §2-§3 for single blocks: numpy float32 scalar arithmetic
-# (IEEE, correctly rounded, never fused, gradual underflow), used to cross-check hand-built
-# edge blocks. Slow (pure Python): only for a few blocks.
+# A third, independent model of docs/format.md §2-§3 for single blocks: numpy float32 scalar
+# arithmetic (IEEE, correctly rounded, never fused, gradual underflow), used to cross-check
+# hand-built edge blocks. Slow (pure Python): only for a few blocks.
 
 _LADDER = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False),
            (5.0, True))  # (bound, inclusive): |y| <= / < bound stops at that magnitude
@@ -332,7 +341,7 @@ def spec_e2m1_code(x, out_scale):
 
 
 def spec_quantize_block(x, g, scale_search="default"):
-    """16 float32 values and g = 1/k_scale -> (16 codes, scale byte), spec §2 and §3, with
+    """16 float32 values and g = 1/k_scale -> (16 codes, scale byte), docs/format.md §2-§3, with
     float32 subnormals flushed to zero (ftz) wherever they enter or leave an operation."""
     f32 = np.float32
     raw = [f32(v) for v in np.asarray(x, np.float32)]

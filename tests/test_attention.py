@@ -73,7 +73,7 @@ def test_other_head_sizes(head_size, num_kv_heads):
 
 
 def test_linear_v_scales_head_size_80():
-    """head_size 80 is only valid with linear V scales (spec §4)."""
+    """head_size 80 is only valid with linear V scales (docs/format.md §4)."""
     case = Case(seed=3, head_size=80, v_scale_swizzle=False, layout="NHD")
     q = case.query(4, jnp.float32)
     assert_close(case.run(q), case.reference(q), jnp.float32)
@@ -253,7 +253,7 @@ def test_option_errors():
         paged_attention(**args, v_scale_swizzle="yes")
     with pytest.raises(TypeError, match="sm_scale"):
         paged_attention(**args, sm_scale="0.1")
-    # head_size 80 with swizzled V scales is rejected (spec §4).
+    # head_size 80 with swizzled V scales is rejected (docs/format.md §4).
     cache80 = jnp.zeros((4, 2, 2, 16, 45), jnp.uint8)
     with pytest.raises(ValueError, match="multiple of 64"):
         paged_attention(**{**args, "q": jnp.ones((3, 4, 80), jnp.bfloat16), "kv_cache": cache80})

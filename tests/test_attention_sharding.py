@@ -13,7 +13,7 @@ heads.
   custom call on the per-device cache, aliased, and the cache comes back in place.
 * A plain NVFP4 cache sharded along its head axis is still read correctly; XLA then
   communicates (see ``test_plain_cache_head_sharded``): a page interleaves all heads' data and
-  scales (spec §4), so a head shard does not hold whole heads.
+  scales (docs/format.md §4), so a head shard does not hold whole heads.
 
 Grouped and plain single-device outputs are asserted bit-identical (they are on jax 0.10.2 CPU,
 where these tests read them: same K/V, same per-head arithmetic). Sharded outputs are compared

@@ -6,7 +6,7 @@ Each scenario is one store of up to 128 hand-built 16-element blocks (16 tokens 
 
 * kernel (cpu, and the gpu param) == jnp reference (CPU), byte for byte on the whole cache, and
   nothing outside the stored slots changes;
-* every block's codes and scale byte equal an independent numpy model of spec §2-§3
+* every block's codes and scale byte equal an independent numpy model of docs/format.md §2-§3
   (store_cases.spec_quantize_block);
 * blocks with a hand-computed expectation (written out below from the spec) match it exactly.
 
@@ -41,8 +41,8 @@ MAX_FINITE = {"bf16": 0x7F7F, "fp16": 0x7BFF}
 MAX_SUBNORMAL = {"bf16": 0x007F, "fp16": 0x03FF}
 SIGN = 0x8000
 
-# An e2m1 tie block: amax 6 and every tie of spec §2 step 5, then the same negated. With
-# out_scale a power of two (amax = 6p, p and k_scale powers of two) every product is exact.
+# An e2m1 tie block: amax 6 and every tie of docs/format.md §2 step 6, then the same negated.
+# With out_scale a power of two (amax = 6p, p and k_scale powers of two) every product is exact.
 TIES = np.array([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5], np.float32)
 TIE_BLOCK = np.concatenate([TIES, -TIES])
 # default: scale exactly p/k_scale; ties to even: .25->0, .75->1.0, 1.25->1.0, 1.75->2,
@@ -234,7 +234,7 @@ def test_edge_blocks(scenario, dt, scale_search, platform):
     blocks = make_blocks(dt)
     case = build(dt, blocks, k_scale)
     out = sc.run_kernel(case, platform, scale_search)
-    sc.assert_bytes_equal(out, sc.run_reference(case, scale_search), "kernel vs reference")
+    sc.assert_cache_equal(case, out, sc.run_reference(case, scale_search), "kernel vs reference")
     sc.assert_only_expected_bytes_changed(case, out)
 
     g = np.float32(1) / np.float32(k_scale)
@@ -243,7 +243,7 @@ def test_edge_blocks(scenario, dt, scale_search, platform):
     np.testing.assert_array_equal(v_codes, k_codes ^ 8, "V = -K: codes differ in the sign bit")
     np.testing.assert_array_equal(v_scales, k_scales, "V = -K: same (unswizzled) scale bytes")
 
-    # Every stored block against the numpy model of the spec.
+    # Every stored block against the numpy model of docs/format.md §2-§3.
     x = input_blocks(case, 0)
     for i in range(len(x)):
         codes, byte = sc.spec_quantize_block(x[i], g, scale_search)
@@ -272,7 +272,7 @@ def stored_packed(case, cache, row):
 
 
 # ---------------------------------------------------------------------------------------------
-# Hand-written bytes, straight from the spec.
+# Hand-written bytes, straight from docs/format.md.
 
 @pytest.mark.parametrize("platform", PLATFORMS)
 @pytest.mark.parametrize("dt", DTYPE_NAMES)
@@ -283,7 +283,7 @@ def test_known_bytes(platform, dt):
               Block("minus 0.1", to_bits([6.0, -0.1] + [0.0] * 14, dt))]
     case = build(dt, blocks, 1.0)
     out = sc.run_kernel(case, platform)
-    sc.assert_bytes_equal(out, sc.run_reference(case), "kernel vs reference")
+    sc.assert_cache_equal(case, out, sc.run_reference(case), "kernel vs reference")
     packed, scales = case.read(out, 0, tokens=[0])
     np.testing.assert_array_equal(packed[0, 0, 0:8], [0x77] * 8)
     np.testing.assert_array_equal(packed[0, 0, 8:16],
@@ -298,7 +298,7 @@ def test_known_bytes(platform, dt):
 
 
 # ---------------------------------------------------------------------------------------------
-# Float32 subnormals flush to zero, as inputs and as results (the spec is silent; this is what
+# Float32 subnormals flush to zero, as inputs and as results (docs/format.md §2; this is what
 # XLA:CPU does to the jnp reference, and both kernels follow it: see ffi/nvfp4_numerics.h).
 # A bf16 block of 2^-127 (subnormal) with k_scale = 2^-126: IEEE arithmetic would give
 # amax/6 = 2.6e-39 (subnormal), sf = 0.0833 -> e4m3 byte 0x1B and codes 7; with flushing the
@@ -311,7 +311,7 @@ def test_float32_subnormals_flush_to_zero(platform):
     codes, byte = sc.spec_quantize_block(x.view(sc.BF16).astype(np.float32), np.float32(2.0**126))
     assert byte == 0x00 and list(codes) == [0] * 16
     out = sc.run_kernel(case, platform)
-    sc.assert_bytes_equal(out, sc.run_reference(case), "kernel vs reference")
+    sc.assert_cache_equal(case, out, sc.run_reference(case), "kernel vs reference")
     k_codes, k_scales = stored_blocks(case, out, 0)
     assert (k_scales[0], list(k_codes[0])) == (byte, list(codes))
     # Normal inputs whose block-scale product underflows: amax = 2^-100 with k_scale = 2^30
@@ -319,6 +319,6 @@ def test_float32_subnormals_flush_to_zero(platform):
     y = np.full(16, np.float32(2.0**-100)).astype(sc.BF16).view(np.uint16)
     case = build("bf16", [Block("2^-100", y)], 2.0**30)
     out = sc.run_kernel(case, platform)
-    sc.assert_bytes_equal(out, sc.run_reference(case), "kernel vs reference (underflow)")
+    sc.assert_cache_equal(case, out, sc.run_reference(case), "kernel vs reference (underflow)")
     _, k_scales = stored_blocks(case, out, 0)
     assert k_scales[0] == 0x00

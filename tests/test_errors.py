@@ -231,8 +231,8 @@ def test_out_of_range_and_negative_slots_write_nothing():
     only_valid = mixed.with_args(key=mixed.key[keep], value=mixed.value[keep],
                                  slot_mapping=slots[keep])
     out = sc.run_kernel(mixed)
-    sc.assert_bytes_equal(out, sc.run_kernel(only_valid), "mixed vs valid tokens only")
-    sc.assert_bytes_equal(out, sc.run_reference(mixed), "kernel vs reference")
+    sc.assert_cache_equal(mixed, out, sc.run_kernel(only_valid), "mixed vs valid tokens only")
+    sc.assert_cache_equal(mixed, out, sc.run_reference(mixed), "kernel vs reference")
     sc.assert_only_expected_bytes_changed(mixed, out)
 
 
@@ -262,7 +262,7 @@ def test_checked_raises(slots, words):
     with pytest.raises(checkify.JaxRuntimeError):
         err.throw()
     # The store still happened, skipping what it must skip.
-    sc.assert_bytes_equal(np.asarray(out), sc.run_reference(case), "checked store under jit")
+    sc.assert_cache_equal(case, np.asarray(out), sc.run_reference(case), "checked store under jit")
 
 
 def test_checked_under_plain_jit_needs_checkify():
@@ -337,4 +337,4 @@ def test_python_sequences_are_accepted_like_arrays():
     args = list(case.args())
     args[3] = [int(s) for s in np.asarray(args[3])]  # slot_mapping as a list
     out = jax_nvfp4.reshape_and_cache(*args)
-    sc.assert_bytes_equal(np.asarray(out), sc.run_reference(case), "list slot_mapping")
+    sc.assert_cache_equal(case, np.asarray(out), sc.run_reference(case), "list slot_mapping")

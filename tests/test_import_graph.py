@@ -10,7 +10,7 @@ The layers, each importing only from those above it:
    multi-device jit)
 4. ``primitive`` (the store primitive)
 5. ``api`` (public store, allocator, reader), ``attention_primitive`` (the decode primitive)
-6. ``attention`` (public decode attention)
+6. ``attention`` (public decode attention), ``testing`` (assertions for tests)
 7. ``sharding`` (tensor-parallel API: the head-grouped cache)
 8. ``__init__``
 """
@@ -27,7 +27,7 @@ LAYERS = [
     {"reference", "partitioning"},
     {"primitive"},
     {"api", "attention_primitive"},
-    {"attention"},
+    {"attention", "testing"},
     {"sharding"},
     {"__init__"},
 ]

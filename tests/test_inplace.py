@@ -1,5 +1,5 @@
-"""The store updates the cache in place (spec §5): under jax.jit with the cache donated, the
-compiled module aliases the cache parameter to the result and holds no copy of it; without
+"""The store updates the cache in place (docs/format.md §5): under jax.jit with the cache donated,
+the compiled module aliases the cache parameter to the result and holds no copy of it; without
 donation XLA copies it first (the contrast shows these checks can fail). Also: the store is
 not differentiable, and says so."""
 
@@ -75,7 +75,7 @@ def test_donated_cache_is_consumed_and_reused(platform):
     assert out.unsafe_buffer_pointer() == pointer  # updated where it was
     with pytest.raises(RuntimeError, match="deleted|donated"):
         np.asarray(cache)
-    sc.assert_bytes_equal(np.asarray(out), sc.run_reference(case), "donated store")
+    sc.assert_cache_equal(case, np.asarray(out), sc.run_reference(case), "donated store")
 
     # A second store into the result, donated again: still the same buffer.
     out2 = store(key, value, out, slots, k_scale * 2, v_scale)

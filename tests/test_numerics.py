@@ -1,5 +1,6 @@
-"""The numerics header's branch-free e2m1 rounding against the spec's comparison ladder
-(spec §2 step 5) on every float32: on the CPU build, and on the GPU build where there is one."""
+"""The numerics header's branch-free e2m1 rounding against the comparison table of
+docs/format.md §2 step 6 on every float32: on the CPU build, and on the GPU build where there
+is one."""
 
 import pytest
 

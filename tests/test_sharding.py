@@ -6,7 +6,7 @@ The meshes use the devices of one platform: the GPUs where there are some, else 
 CPU devices of conftest.py. Cases needing more devices than there are are skipped.
 
 Why the plain cache's head axis is not one of those: a page holds all heads' FP4 data, then all
-heads' scales (spec §4), so a shard of the head axis does not hold whole heads
+heads' scales (docs/format.md §4), so a shard of the head axis does not hold whole heads
 (``test_head_axis_does_not_split_a_page``). Tensor parallelism uses the head-grouped cache.
 
 In place (``hlo_checks.assert_in_place``): no collective, no op but the store (or XLA:GPU's
@@ -87,7 +87,8 @@ def _local(shape, spec, mesh):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_head_axis_does_not_split_a_page(layout):
     """Half the head axis of a page does not hold half the heads' bytes: that is why the store
-    cannot run per head shard on a plain cache (spec §4: data of all heads, then scales)."""
+    cannot run per head shard on a plain cache (docs/format.md §4: codes of all heads,
+    then scales)."""
     geo = CacheGeometry(NUM_BLOCKS, BLOCK_SIZE, NUM_HEADS, HEAD_SIZE, layout)
     half = geo.side_bytes // 2
     first = np.concatenate([geo.data_offsets()[: NUM_HEADS // 2].ravel(),

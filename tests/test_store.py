@@ -1,10 +1,11 @@
 """The store kernel against the jnp reference, byte for byte on the whole cache.
 
-Every comparison is of the full uint8 cache (np.array_equal), starting from a RANDOM initial
-cache; besides, the bytes outside the stored (slot, head) positions (computed from spec §4 in
-store_cases, independently of the library) must equal the initial cache, and running the same
-store on the bitwise complement of the initial cache proves that every expected byte was
-written (a written byte cannot coincide with both c and ~c).
+Every comparison is of the full uint8 cache (jax_nvfp4.testing.assert_caches_equal, which
+names the first differing block), starting from a RANDOM initial cache; besides, the bytes
+outside the stored (slot, head) positions (computed from docs/format.md §4 in store_cases,
+independently of the library) must equal the initial cache, and running the same store on the
+bitwise complement of the initial cache proves that every expected byte was written (a written
+byte cannot coincide with both c and ~c).
 
 The kernel runs on ``jax.devices(platform)[0]`` under ``jax.jit``; the reference always runs on
 the CPU. The ``gpu`` parameter is skipped where no GPU is visible (tests/conftest.py).
@@ -86,7 +87,7 @@ def test_covering_design_is_complete():
     assert combos == set(itertools.product(("HND", "NHD"), SCALE_SEARCHES, ("bf16", "fp16")))
     for axis, values in REQUIRED_VALUES.items():
         assert {r[axis] for r in rows} >= values, axis
-    for r in rows:  # swizzled V scales need head_size % 64 == 0 (spec §4)
+    for r in rows:  # swizzled V scales need head_size % 64 == 0 (docs/format.md §4)
         assert r["head_size"] % 64 == 0 or not r["v_scale_swizzle"]
     assert any(r["num_out_of_range"] for r in rows)
 
@@ -95,7 +96,7 @@ def check_store(case, platform, scale_search):
     """Kernel == reference on the whole cache, only the expected bytes written, all of them."""
     ref = sc.run_reference(case, scale_search)
     out = sc.run_kernel(case, platform, scale_search)
-    sc.assert_bytes_equal(out, ref, "kernel vs reference")
+    sc.assert_cache_equal(case, out, ref, "kernel vs reference")
 
     mask = case.written_mask()
     assert mask.sum() == (len(case.valid_tokens()) * case.num_kv_heads * 2
@@ -106,7 +107,7 @@ def check_store(case, platform, scale_search):
     # the mask changed in at least one of the two runs.
     flipped = case.with_args(cache=~case.cache)
     out_flipped = sc.run_kernel(flipped, platform, scale_search)
-    sc.assert_bytes_equal(out_flipped, sc.run_reference(flipped, scale_search),
+    sc.assert_cache_equal(case, out_flipped, sc.run_reference(flipped, scale_search),
                           "kernel vs reference (complemented initial cache)")
     sc.assert_bytes_equal(out_flipped[~mask], flipped.cache[~mask], "bytes outside (complement)")
     sc.assert_bytes_equal(out[mask], out_flipped[mask], "written bytes depend on the old cache")
@@ -139,7 +140,7 @@ def test_int64_slot_mapping(platform, scale_search):
         slots32 = np.maximum(slots32, -1)
         out32 = sc.run_kernel(case.with_args(slot_mapping=slots32.astype(np.int32)), platform,
                               scale_search)
-    sc.assert_bytes_equal(out, out32, "int64 vs int32 slot_mapping")
+    sc.assert_cache_equal(case, out, out32, "int64 vs int32 slot_mapping")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -154,11 +155,12 @@ def test_out_of_range_slots_write_nothing(platform, layout):
     kept = ~oob
     trimmed = case.with_args(key=case.key[kept], value=case.value[kept],
                              slot_mapping=case.slot_mapping[kept])
-    sc.assert_bytes_equal(out, sc.run_kernel(trimmed, platform), "without the out-of-range tokens")
+    sc.assert_cache_equal(case, out, sc.run_kernel(trimmed, platform),
+                          "without the out-of-range tokens")
     # Only out-of-range and padding slots: the cache comes back unchanged.
     nothing = case.with_args(slot_mapping=np.where(oob, case.slot_mapping, -1).astype(np.int32))
-    sc.assert_bytes_equal(sc.run_kernel(nothing, platform), case.cache, "no valid slot")
-    sc.assert_bytes_equal(sc.run_reference(nothing), case.cache, "reference, no valid slot")
+    sc.assert_cache_equal(case, sc.run_kernel(nothing, platform), case.cache, "no valid slot")
+    sc.assert_cache_equal(case, sc.run_reference(nothing), case.cache, "reference, no valid slot")
 
 
 @pytest.mark.parametrize("platform", PLATFORMS)
@@ -167,7 +169,7 @@ def test_scale_is_a_runtime_value(platform):
     case = sc.make_case(9, num_tokens=21, num_kv_heads=2, head_size=64, block_size=8)
     out = sc.run_kernel(case, platform)
     as_vector = case.with_args(k_scale=case.k_scale.reshape(1), v_scale=case.v_scale.reshape(1))
-    sc.assert_bytes_equal(sc.run_kernel(as_vector, platform), out, "k_scale shape (1,)")
+    sc.assert_cache_equal(case, sc.run_kernel(as_vector, platform), out, "k_scale shape (1,)")
 
     fn = jax.jit(jax_nvfp4.reshape_and_cache)
     device = jax.devices(platform)[0]
@@ -177,12 +179,12 @@ def test_scale_is_a_runtime_value(platform):
     args[4] = jax.device_put(case.k_scale * np.float32(3.0), device)
     out3 = np.asarray(fn(*args))
     assert fn._cache_size() == before
-    sc.assert_bytes_equal(out3, sc.run_reference(case.with_args(k_scale=case.k_scale * 3)),
+    sc.assert_cache_equal(case, out3, sc.run_reference(case.with_args(k_scale=case.k_scale * 3)),
                           "new k_scale")
 
 
 def test_spec_offsets_are_a_bijection():
-    """The test helper's spec §4 geometry covers every cache byte exactly once."""
+    """The test helper's docs/format.md §4 geometry covers every cache byte exactly once."""
     for layout, head_size, swizzle, block_size in [("HND", 128, True, 8), ("NHD", 64, True, 4),
                                                    ("HND", 80, False, 4), ("NHD", 96, False, 8)]:
         case = sc.make_case(1, num_tokens=3, num_kv_heads=3, head_size=head_size,
@@ -206,7 +208,7 @@ class StoreVariantsTest(chex.TestCase):
             out = store(*map(jnp.asarray, case.args()))
             chex.assert_shape(out, case.cache.shape)
             chex.assert_type(out, jnp.uint8)
-            sc.assert_bytes_equal(np.asarray(out), sc.run_reference(case, scale_search))
+            sc.assert_cache_equal(case, np.asarray(out), sc.run_reference(case, scale_search))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +225,7 @@ def test_gpu_large(scale_search):
                         dtype="bf16", layout="HND", num_padding=300, num_out_of_range=20)
     ref = sc.run_reference(case, scale_search)
     out = sc.run_kernel(case, "gpu", scale_search)
-    sc.assert_bytes_equal(out, ref, "gpu kernel vs cpu reference")
+    sc.assert_cache_equal(case, out, ref, "gpu kernel vs cpu reference")
     mask = case.written_mask()
     sc.assert_bytes_equal(out[~mask], case.cache[~mask], "bytes outside the stored slots")
     assert (out != case.cache).sum() >= 0.99 * mask.sum()
@@ -264,15 +266,17 @@ def _jit_fold_case():
 def test_reference_eager_on_jit_fold_block(scale_search):
     case = _jit_fold_case()
     out = sc.run_kernel(case, "cpu", scale_search)
-    sc.assert_bytes_equal(out, sc.run_reference(case, scale_search), "kernel vs eager reference")
+    sc.assert_cache_equal(case, out, sc.run_reference(case, scale_search),
+                          "kernel vs eager reference")
     packed, _ = case.read(out, 0)
-    # Element 9: 0.18444824 * out_scale(1.3553939) = 0.25000003 > 0.25 -> code 1 (spec §2).
+    # Element 9: 0.18444824 * out_scale(1.3553939) = 0.25000003 > 0.25 -> code 1
+    # (docs/format.md §2 step 6).
     assert packed[0, 0, 4] == 0x1D
 
 
 @pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
 def test_reference_under_jit(scale_search):
     case = _jit_fold_case()
-    sc.assert_bytes_equal(sc.run_reference(case, scale_search, jit=True),
+    sc.assert_cache_equal(case, sc.run_reference(case, scale_search, jit=True),
                           sc.run_reference(case, scale_search),
                           "jitted reference vs eager reference")
