@@ -9,8 +9,12 @@ place: the new token's K/V are stored, then paged attention reads each sequence'
 
 The same model runs twice: with the NVFP4 cache (``jax_nvfp4.reshape_and_cache`` +
 ``paged_attention``) and with a bf16 paged cache (``.at[slots].set`` + ``paged_attention_bf16``).
-It prints decode throughput, cache sizes, the greedy-token agreement of the two runs and how
-far their logits are apart. Runs on JAX's default device (the GPU when there is one).
+It prints the verdict first: per cache, decode tokens/s, cache bytes per token and how much
+more context fits in the same memory; then how often the NVFP4 run picks the same greedy token
+as the bf16 run from the same history, and how far their logits are apart. ``--verbose`` adds
+the internals (device, scales, compile and donation checks, sample tokens). Progress goes to
+stderr: a bar on a terminal, occasional lines in a log. Runs on JAX's default device (the GPU
+when there is one).
 
 With ``--long-context`` it instead times one decode step over caches that already hold
 ``--context`` tokens per sequence (default 32 x 32768 tokens, 4 Llama-3-8B-shaped layers:
@@ -62,8 +66,9 @@ class Config:
     extra_blocks: int = 8                  # pages beyond what the sequences need
     teacher_force: bool = False            # NVFP4 run fed the bf16 run's tokens
     seed: int = 0
-    progress: bool = True
-    verbose: bool = True
+    progress: bool = True                  # stage lines and progress bars on stderr
+    report: bool = True                    # print the results (the verdict first)
+    verbose: bool = False                  # also print the run's internals
     # --long-context mode (see run_long_context): caches pre-filled to ``context`` tokens.
     long_context: bool = False
     context: int = 32768                   # tokens already in each sequence's cache
@@ -323,39 +328,55 @@ def cache_bytes(caches) -> int:
 
 
 class Progress:
-    """tqdm when importable, else a plain text bar on stderr."""
+    """Progress of a stage on stderr: a bar redrawn in place on a terminal; in a log (stderr not
+    a terminal) a line at the start, at every quarter and at the end, never a carriage return."""
 
-    def __init__(self, total, desc, enabled=True):
+    def __init__(self, total, desc, enabled=True, stream=None):
         self.total, self.desc, self.n, self.enabled = total, desc, 0, enabled
-        self.bar = None
-        if enabled:
-            try:
-                from tqdm import tqdm
-                self.bar = tqdm(total=total, desc=desc, leave=False)
-            except ImportError:
-                pass
+        self.stream = sys.stderr if stream is None else stream
+        self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.t0 = time.perf_counter()
+        self._logged = 0            # quarters already logged (non-terminal)
+        if enabled and not self.tty:
+            self._line(f"{desc}: 0/{total}")
+
+    def _line(self, text):
+        self.stream.write(text + "\n")
+        self.stream.flush()
 
     def update(self):
         self.n += 1
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.update(1)
+        if self.tty:
+            width = 30
+            done = width * self.n // self.total
+            self.stream.write(f"\r{self.desc}: [{'#' * done}{'.' * (width - done)}] "
+                              f"{self.n}/{self.total}")
+            self.stream.flush()
             return
-        width = 30
-        done = width * self.n // self.total
-        sys.stderr.write(f"\r{self.desc}: [{'#' * done}{'.' * (width - done)}] "
-                         f"{self.n}/{self.total}")
-        sys.stderr.flush()
+        quarter = 4 * self.n // self.total
+        if quarter > self._logged and self.n < self.total:
+            self._logged = quarter
+            self._line(f"{self.desc}: {self.n}/{self.total} "
+                       f"({time.perf_counter() - self.t0:.1f} s)")
 
     def close(self):
         if not self.enabled:
             return
-        if self.bar is not None:
-            self.bar.close()
-        else:
-            sys.stderr.write("\r" + " " * (len(self.desc) + 50) + "\r")
-            sys.stderr.flush()
+        if self.tty:
+            self.stream.write("\r" + " " * (len(self.desc) + 50) + "\r")
+            self.stream.flush()
+        self._line(f"{self.desc}: done, {self.n}/{self.total} in "
+                   f"{time.perf_counter() - self.t0:.1f} s")
+
+
+def stage(cfg, text):
+    """One line on stderr saying what the script is doing (prefill, compiling, filling caches):
+    the slow parts before the first decode step show progress too."""
+    if cfg.progress:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def _prompt_lens(cfg):
@@ -378,6 +399,7 @@ def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, 
     for s, n in zip(seqs, prompt_lens):
         slot_mapping[s, :n] = alloc.append_slots(s, n)
 
+    stage(cfg, f"{kind}: storing the prompts' K/V into the paged cache (compiling the store)")
     caches = allocate_caches(cfg, kind, num_blocks)
     caches = make_prefill_store(cfg, kind)(caches, ks, vs, jnp.asarray(slot_mapping.reshape(-1)),
                                            scales)
@@ -387,8 +409,9 @@ def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, 
     tokens = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)   # first generated token
     generated, all_logits = [tokens], []
     donated = None
-    progress = Progress(cfg.steps, f"decode {kind}", cfg.progress)
     jax.block_until_ready(caches)
+    stage(cfg, f"{kind}: compiling the decode step (its first call)")
+    progress = Progress(cfg.steps, f"{kind}: decode steps", cfg.progress)
     t0 = time.perf_counter()
     t_first = None
     for i in range(cfg.steps):
@@ -449,6 +472,7 @@ def run(cfg: Config) -> dict:
     params = init_params(cfg)
 
     lens = jnp.asarray(prompt_lens, jnp.int32)
+    stage(cfg, f"prefill: dense attention over {cfg.batch} prompts (compiling and running)")
     first_logits, ks, vs = jax.jit(lambda p, t, n: prefill(cfg, p, t, n))(
         params, jnp.asarray(prompts), lens)
     scales = calibrate(ks, vs, lens)
@@ -500,6 +524,7 @@ def run(cfg: Config) -> dict:
         first_step_s={k: r["first_step_s"] for k, r in runs.items()},
         cache_bytes={k: r["cache_bytes"] for k, r in runs.items()},
         cache_ratio=b["cache_bytes"] / a["cache_bytes"],
+        bytes_per_token={k: cfg.layers * bytes_per_token_per_layer(cfg, k) for k in KINDS},
         traces={k: r["traces"] for k, r in runs.items()},
         jit_cache_size={k: r["jit_cache_size"] for k, r in runs.items()},
         caches_donated={k: r["caches_donated"] for k, r in runs.items()},
@@ -510,37 +535,72 @@ def run(cfg: Config) -> dict:
         num_blocks=num_blocks,
     )
     results["wall_s"] = time.perf_counter() - t_start
-    if cfg.verbose:
+    if cfg.report:
         report(cfg, results)
     return results
 
 
+def _platform():
+    return jax.devices()[0].platform
+
+
+def _reader_note(platform):
+    if platform == "gpu" and _ffi_has_cuda():
+        return "  NVFP4 attention ran the fused CUDA kernel"
+    return (f"  on {platform} the NVFP4 reader is the jnp path (it dequantises the pages it "
+            f"reads; the fused CUDA kernel runs on a GPU), so these tokens/s say little about a "
+            f"GPU: see --long-context and benchmarks/")
+
+
+def _ffi_has_cuda():
+    from jax_nvfp4 import _ffi
+
+    return _ffi.built_with_cuda()
+
+
 def report(cfg, r):
+    """The verdict first (per cache: speed, bytes per token, how much context fits), then the
+    agreement with the bf16 run; the run's internals with --verbose."""
+    tps, bpt = r["tokens_per_s"], r["bytes_per_token"]
+    ratio = bpt["bf16"] / bpt["nvfp4"]
+    print(f"NVFP4 vs bf16 paged KV cache: {cfg.layers} layers, {cfg.num_kv_heads} kv heads x "
+          f"{cfg.head_size}, batch {cfg.batch}, {cfg.steps} decode steps on "
+          f"{_platform()}")
+    print(f"  nvfp4: {tps['nvfp4']:8,.1f} tokens/s, {bpt['nvfp4']:6,} B of cache per token "
+          f"-> {ratio:.2f}x the context of bf16 in the same memory")
+    print(f"  bf16 : {tps['bf16']:8,.1f} tokens/s, {bpt['bf16']:6,} B of cache per token")
+    print(_reader_note(_platform()))
+    forced = cfg.teacher_force
+    print(f"agreement: {100 * r['step_agreement']:.1f}% of greedy next tokens match the bf16 "
+          f"run given the same history ({r['logits_compared_steps']} sequence-steps); "
+          f"logits |NVFP4 - bf16| mean {r['logits_mean_abs_diff']:.4f}, max "
+          f"{r['logits_max_abs_diff']:.4f} (mean |logit| {r['logits_mean_abs']:.3f})")
+    if forced:
+        print("  (teacher-forced: the NVFP4 run was fed the bf16 run's tokens, so every step "
+              "compares choices made from identical inputs)")
+    else:
+        print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}%, lower "
+              f"because random weights give near-ties (median bf16 top-1 - top-2 margin "
+              f"{r['bf16_top2_margin_median']:.3f}), and once one token differs every later "
+              f"input of that sequence differs too")
+    if not cfg.verbose:
+        return
     print(f"device: {r['device']}")
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q heads / "
-          f"{cfg.num_kv_heads} kv heads x {cfg.head_size}, mlp {cfg.mlp}, vocab {cfg.vocab}")
+          f"{cfg.num_kv_heads} kv heads x {cfg.head_size}, mlp {cfg.mlp}, vocab {cfg.vocab} "
+          f"(random weights)")
     print(f"batch {cfg.batch}, prompt lengths {r['prompt_lens']}, {cfg.steps} decode steps, "
           f"block_size {cfg.block_size}, {r['num_blocks']} pages, layout {cfg.layout}, "
           f"scale_search {cfg.scale_search}")
     print("k_scale per layer: " + ", ".join(f"{s:.4g}" for s in r["k_scales"])
           + "; v_scale: " + ", ".join(f"{s:.4g}" for s in r["v_scales"]))
     for k in KINDS:
-        print(f"{k:>5}: {r['tokens_per_s'][k]:9.1f} tokens/s (first step incl. compile "
-              f"{r['first_step_s'][k]:.2f} s), cache {r['cache_bytes'][k]:,} bytes, "
-              f"step traced {r['traces'][k]}x, jit cache entries {r['jit_cache_size'][k]}, "
-              f"caches donated {r['caches_donated'][k]}, "
-              f"aliased outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k]}, "
-              f"cache copies in HLO {r['hlo_cache_copies'][k]}")
-    print(f"cache: NVFP4 is {r['cache_ratio']:.2f}x smaller than bf16")
-    mode = "teacher-forced (NVFP4 fed the bf16 tokens)" if cfg.teacher_force else "free-running"
-    print(f"greedy-token agreement ({mode}): {100 * r['agreement']:.1f}%; first divergence "
-          f"step per sequence: {r['first_divergence']} (of {cfg.steps})")
-    print(f"per-step greedy agreement from identical inputs: {100 * r['step_agreement']:.1f}% "
-          f"of {r['logits_compared_steps']} sequence-steps")
-    print(f"logits |NVFP4 - bf16| over {r['logits_compared_steps']} sequence-steps with equal "
-          f"inputs: max {r['logits_max_abs_diff']:.4f}, mean {r['logits_mean_abs_diff']:.4f} "
-          f"(mean |logit| {r['logits_mean_abs']:.3f}; median bf16 top-1 - top-2 margin "
-          f"{r['bf16_top2_margin_median']:.3f})")
+        print(f"{k:>5}: first step incl. compile {r['first_step_s'][k]:.2f} s, cache "
+              f"{r['cache_bytes'][k]:,} bytes, step traced {r['traces'][k]}x, jit cache entries "
+              f"{r['jit_cache_size'][k]}, caches donated {r['caches_donated'][k]}, aliased "
+              f"outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k]}, cache copies in "
+              f"HLO {r['hlo_cache_copies'][k]}")
+    print(f"first divergence step per sequence: {r['first_divergence']} (of {cfg.steps})")
     for b in range(min(cfg.batch, 4)):
         print(f"  seq {b} bf16 : {r['tokens_bf16'][b, :12].tolist()}")
         print(f"  seq {b} nvfp4: {r['tokens_nvfp4'][b, :12].tolist()}")
@@ -629,6 +689,8 @@ def random_caches(cfg, kind, num_blocks, key):
 def time_long_context(cfg, kind, params, plan, impl="auto"):
     """Fills one kind of cache, compiles the decode step and times it. Returns a dict."""
     num_blocks, tables, slots, lens = plan
+    label = LONG_CONTEXT_LABELS[next(n for n, v in LONG_CONTEXT_RUNS.items() if v == (kind, impl))]
+    stage(cfg, f"{label}: filling {cfg.layers} layers' caches with random values on the device")
     t0 = time.perf_counter()
     caches = random_caches(cfg, kind, num_blocks, jax.random.PRNGKey(cfg.seed + 2))
     jax.block_until_ready(caches)
@@ -651,6 +713,7 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     slots_d = [jnp.asarray(x) for x in slots]           # on the device before timing
     lens_d = [jnp.asarray(x) for x in lens]
 
+    stage(cfg, f"{label}: compiling the decode step")
     t0 = time.perf_counter()
     compiled = step.lower(params, caches, scales, tokens, slots_d[0], tables_d,
                           lens_d[0]).compile()
@@ -674,6 +737,7 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     jax.block_until_ready((tokens, logits, caches))
 
     times, attended = [], []
+    progress = Progress(cfg.repeats, f"{label}: timed runs of {cfg.steps} steps", cfg.progress)
     for _ in range(cfg.repeats):
         attended.append(lens[i:i + cfg.steps].sum(dtype=np.int64))
         t0 = time.perf_counter()
@@ -683,6 +747,8 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
             i += 1
         jax.block_until_ready((tokens, logits, caches))
         times.append((time.perf_counter() - t0) / cfg.steps)
+        progress.update()
+    progress.close()
     last_logits = np.asarray(logits)
     del caches
     step_s = float(np.median(times))
@@ -750,7 +816,7 @@ def run_long_context(cfg: Config) -> dict:
             kernel_vs_jnp_greedy_agreement=float(
                 (a["first_logits"].argmax(-1) == j["first_logits"].argmax(-1)).mean()))
     results["wall_s"] = time.perf_counter() - t_start
-    if cfg.verbose:
+    if cfg.report:
         report_long_context(cfg, results)
     return results
 
@@ -769,14 +835,49 @@ def _fmt_rate(x) -> str:
 
 
 def report_long_context(cfg, r):
+    """The verdict first (per cache: tokens/s, bytes per token, how much context fits; the
+    speed-up), then with --verbose how it was measured."""
     runs = r["runs"]
+    bpt = r["bytes_per_token_per_layer"]
+    fit = r["tokens_in_bf16_memory"]
+    per_seq = cfg.context + r["new_tokens"]
+    print(f"long context: batch {cfg.batch} x {cfg.context:,} tokens already in the cache, "
+          f"{cfg.layers} layers of {cfg.num_q_heads} q / {cfg.num_kv_heads} kv heads x "
+          f"{cfg.head_size}, on {r['platform']}")
+    width = max(len(LONG_CONTEXT_LABELS[k]) for k in runs)
+    for name, run in runs.items():
+        kind = LONG_CONTEXT_RUNS[name][0]
+        line = (f"  {LONG_CONTEXT_LABELS[name]:<{width}}: {run['tokens_per_s']:10,.1f} tokens/s "
+                f"(step {run['step_ms']:.3f} ms), {cfg.layers * bpt[kind]:,} B of cache per "
+                f"token")
+        if name == "nvfp4":
+            line += (f" -> {r['capacity_ratio']:.2f}x the context of bf16 in the same memory")
+        print(line)
+    print(f"speed-up NVFP4 over bf16 (bf16 step time / NVFP4 step time): {r['speedup']:.2f}x "
+          f"({r['step_ms']['bf16']:.3f} ms / {r['step_ms']['nvfp4']:.3f} ms; NVFP4 attention: "
+          f"{runs['nvfp4']['attention_path']} path)")
+    if "kernel_speedup" in r:
+        print(f"same NVFP4 cache, impl=auto over impl=jnp: {r['kernel_speedup']:.2f}x; first "
+              f"step logits max |diff| {r['kernel_vs_jnp_logits_max_abs_diff']:.4f} (mean "
+              f"|logit| {r['kernel_vs_jnp_logits_mean_abs']:.3f}), greedy agreement "
+              f"{100 * r['kernel_vs_jnp_greedy_agreement']:.1f}%")
+    print(f"same memory: the bf16 caches' {_fmt_bytes(r['cache_bytes']['bf16'])} hold "
+          f"{fit['nvfp4']:,} tokens in NVFP4 against {fit['bf16']:,} in bf16: "
+          f"{r['capacity_ratio']:.2f}x as many (+{100 * (r['capacity_ratio'] - 1):.0f}%), "
+          f"{fit['nvfp4'] // per_seq:,} sequences of {per_seq:,} tokens instead of "
+          f"{fit['bf16'] // per_seq:,}")
+    if runs["nvfp4"]["attention_path"] != "kernel":
+        print(f"  (the NVFP4 step ran the jnp path on platform {r['platform']}: the fused "
+              f"kernel needs a GPU, a CUDA build of jax_nvfp4 and head size in "
+              f"{_KERNEL_HEAD_SIZES}; the numbers above are not the kernel's)")
+    if not cfg.verbose:
+        return
     print(f"device: {r['device']} (platform {r['platform']})")
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q heads / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_size}, mlp {cfg.mlp}, vocab {cfg.vocab} "
           f"(random weights)")
     context_pages = -(-cfg.context // cfg.block_size)
-    print(f"long context: batch {cfg.batch}, {cfg.context:,} tokens per sequence already in "
-          f"the cache (random values made on the device, no prefill), block_size "
+    print(f"caches: random values made on the device (no prefill), block_size "
           f"{cfg.block_size}, layout {cfg.layout}")
     print(f"page pool: {r['num_blocks']:,} pages = {cfg.batch} sequences x "
           f"{r['pages_per_seq']:,} pages ({context_pages:,} hold the context, the rest the "
@@ -796,11 +897,6 @@ def report_long_context(cfg, r):
             what = f"{run['attention_path']} path (paged_attention impl={run['impl']})"
         paths.append(f"{LONG_CONTEXT_LABELS[name]} -> {what}")
     print("attention: " + "; ".join(paths))
-    if runs["nvfp4"]["attention_path"] != "kernel":
-        print(f"  (the NVFP4 step ran the jnp path on platform {r['platform']}: the fused "
-              f"kernel needs a GPU, a CUDA build of jax_nvfp4 and head size in "
-              f"{_KERNEL_HEAD_SIZES})")
-    width = max(len(LONG_CONTEXT_LABELS[k]) for k in runs)
     for name, run in runs.items():
         ms = run["step_ms_all"]
         print(f"{LONG_CONTEXT_LABELS[name]:>{width}}: step {run['step_ms']:.3f} ms (median; "
@@ -808,27 +904,12 @@ def report_long_context(cfg, r):
               f"attended KV {_fmt_rate(run['attended_gb_per_s'])} GB/s, compile "
               f"{run['compile_s']:.2f} s, cache {_fmt_bytes(run['cache_bytes'])}, caches "
               f"donated {run['caches_donated']}, cache copies in HLO {run['hlo_cache_copies']}")
-    print(f"speed-up NVFP4 over bf16 (bf16 step time / NVFP4 step time): {r['speedup']:.2f}x "
-          f"({r['step_ms']['bf16']:.3f} ms / {r['step_ms']['nvfp4']:.3f} ms)")
-    if "kernel_speedup" in r:
-        print(f"same NVFP4 cache, impl=auto over impl=jnp: {r['kernel_speedup']:.2f}x; first "
-              f"step logits max |diff| {r['kernel_vs_jnp_logits_max_abs_diff']:.4f} (mean "
-              f"|logit| {r['kernel_vs_jnp_logits_mean_abs']:.3f}), greedy agreement "
-              f"{100 * r['kernel_vs_jnp_greedy_agreement']:.1f}%")
-    bpt = r["bytes_per_token_per_layer"]
     hb = jax_nvfp4.head_bytes(cfg.head_size)
     print(f"cache bytes per token per layer: NVFP4 {bpt['nvfp4']:,} (2 x {cfg.num_kv_heads} kv "
           f"heads x {hb} B) vs bf16 {bpt['bf16']:,} (2 x {cfg.num_kv_heads} kv heads x "
           f"{cfg.head_size} x 2 B): {r['capacity_ratio']:.2f}x smaller")
     print(f"total cache ({cfg.layers} layers, {r['num_blocks']:,} pages): NVFP4 "
           f"{_fmt_bytes(r['cache_bytes']['nvfp4'])} vs bf16 {_fmt_bytes(r['cache_bytes']['bf16'])}")
-    fit = r["tokens_in_bf16_memory"]
-    per_seq = cfg.context + r["new_tokens"]
-    print(f"same memory: the bf16 caches' {_fmt_bytes(r['cache_bytes']['bf16'])} hold "
-          f"{fit['nvfp4']:,} tokens in NVFP4 against {fit['bf16']:,} in bf16: "
-          f"{r['capacity_ratio']:.2f}x as many (+{100 * (r['capacity_ratio'] - 1):.0f}%), "
-          f"{fit['nvfp4'] // per_seq:,} sequences of {per_seq:,} tokens instead of "
-          f"{fit['bf16'] // per_seq:,}")
     print(f"wall time {r['wall_s']:.1f} s")
 
 
@@ -864,7 +945,11 @@ def parse_args(argv=None) -> Config:
     p.add_argument("--teacher-force", action="store_true",
                    help="feed the NVFP4 run the bf16 run's tokens (compare every step)")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no stage lines or progress bars on stderr")
+    p.add_argument("--verbose", action="store_true",
+                   help="also print how the run went: device, model, scales, compile and "
+                        "donation checks, sample tokens")
     g = p.add_argument_group(
         "long-context mode", "time one decode step over caches already holding --context tokens "
         "per sequence (filled with random values, no prefill), NVFP4 against bf16")
@@ -887,6 +972,7 @@ def parse_args(argv=None) -> Config:
     return Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
                   scale_search=a.scale_search, extra_blocks=a.extra_blocks,
                   teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
+                  verbose=a.verbose,
                   long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
                   nvfp4_jnp=a.nvfp4_jnp, **size)
 

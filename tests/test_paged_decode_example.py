@@ -1,6 +1,7 @@
 """examples/paged_decode.py at a tiny size: compiled once, caches donated, close to the bf16 run."""
 
 import importlib.util
+import io
 import math
 import pathlib
 import re
@@ -137,19 +138,70 @@ def test_paged_bf16_decode_matches_dense_recompute(example, results):
 
 
 def test_free_running_and_options(example, capsys):
-    """The default (free-running) mode with the other layout and scale search runs and prints."""
+    """The default (free-running) mode with the other layout and scale search runs and prints
+    its verdict first: per cache tokens/s, bytes per token and how much more context fits; then
+    the agreement that matters (same history), then the free-running one with its reason. The
+    internals are left to --verbose."""
     # argparse keeps the last value of a repeated option.
     r = example.main(TINY + ["--steps", "4", "--layers", "1", "--layout", "NHD",
                              "--scale-search", "4over6"])
-    out = capsys.readouterr().out
-    for needle in ("tokens/s", "smaller than bf16", "greedy-token agreement (free-running)",
-                   "logits |NVFP4 - bf16|"):
-        assert needle in out
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("NVFP4 vs bf16 paged KV cache: 1 layers, 2 kv heads x 64, "
+                               "batch 4, 4 decode steps on cpu"), lines
+    # head_size 64, 2 kv heads, 1 layer: NVFP4 2 x 2 x 36 B per token, bf16 2 x 2 x 64 x 2 B.
+    assert re.fullmatch(r"  nvfp4: +[\d,.]+ tokens/s, +144 B of cache per token -> 3\.56x the "
+                        r"context of bf16 in the same memory", lines[1]), lines[1]
+    assert re.fullmatch(r"  bf16 : +[\d,.]+ tokens/s, +512 B of cache per token", lines[2])
+    assert r["bytes_per_token"] == {"nvfp4": 144, "bf16": 512}
+    assert "the NVFP4 reader is the jnp path" in lines[3]
+    assert lines[4].startswith("agreement: ") and "given the same history" in lines[4]
+    assert "logits |NVFP4 - bf16|" in lines[4]
+    assert lines[5].startswith("  greedy-token agreement (free-running): ")
+    assert "random weights give near-ties" in lines[5] and len(lines) == 6, lines
     assert r["traces"] == {"bf16": 1, "nvfp4": 1}
     assert r["tokens_nvfp4"].shape == (4, 5)
     np.testing.assert_array_equal(r["tokens_nvfp4"][:, 0], r["tokens_bf16"][:, 0])
     first = np.asarray(r["first_divergence"])
     assert ((first >= 0) & (first <= 4)).all()
+
+
+def test_verbose_adds_internals(example, capsys):
+    example.main(TINY + ["--steps", "2", "--layers", "1", "--verbose"])
+    out = capsys.readouterr().out
+    assert out.startswith("NVFP4 vs bf16 paged KV cache: ")
+    for needle in ("device: ", "k_scale per layer: ", "caches donated True",
+                   "cache copies in HLO 0", "first divergence step per sequence", "seq 0 bf16 :"):
+        assert needle in out, needle
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty):
+        super().__init__()
+        self._tty = tty
+
+    def isatty(self):
+        return self._tty
+
+
+def test_progress_in_a_log_is_lines_on_a_terminal_a_bar(example):
+    log = _Stream(tty=False)
+    progress = example.Progress(8, "nvfp4: decode steps", stream=log)
+    for _ in range(8):
+        progress.update()
+    progress.close()
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue()
+    assert lines[0] == "nvfp4: decode steps: 0/8"
+    assert [l.split(" (")[0] for l in lines[1:-1]] == [
+        "nvfp4: decode steps: 2/8", "nvfp4: decode steps: 4/8", "nvfp4: decode steps: 6/8"]
+    assert lines[-1].startswith("nvfp4: decode steps: done, 8/8 in ")
+
+    terminal = _Stream(tty=True)
+    progress = example.Progress(8, "bf16: decode steps", stream=terminal)
+    progress.update()
+    progress.close()
+    assert terminal.getvalue().startswith("\rbf16: decode steps: [###")
+    assert terminal.getvalue().endswith("done, 1/8 in " + terminal.getvalue().split(" in ")[-1])
 
 
 def test_block_allocator(example):
@@ -189,7 +241,7 @@ def test_block_allocator(example):
 LONG_TINY = ["--long-context", "--batch", "2", "--context", "61", "--layers", "2",
              "--d-model", "64", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-size", "64",
              "--mlp", "128", "--vocab", "256", "--steps", "3", "--repeats", "2", "--warmup", "2",
-             "--nvfp4-jnp", "--seed", "0"]
+             "--nvfp4-jnp", "--seed", "0", "--verbose"]
 LONG_LABELS = {"nvfp4": "nvfp4", "bf16": "bf16", "nvfp4_jnp": "nvfp4 (impl=jnp)"}
 
 
@@ -244,6 +296,18 @@ def test_long_context_mode(example, capsys):
     """Runs the long-context mode end to end on the CPU and reads its printed summary."""
     r = example.main(LONG_TINY)
     out = capsys.readouterr().out
+    # The verdict first: per run tokens/s and cache bytes per token (2 layers x 144 B), how much
+    # more context fits; the speed-up and the same-memory comparison; then (--verbose) details.
+    lines = out.splitlines()
+    assert lines[0] == ("long context: batch 2 x 61 tokens already in the cache, 2 layers of "
+                        "8 q / 2 kv heads x 64, on cpu"), lines[0]
+    assert re.fullmatch(r"  nvfp4 +: +[\d,.]+ tokens/s \(step [\d.]+ ms\), 288 B of cache per "
+                        r"token -> 3\.56x the context of bf16 in the same memory", lines[1])
+    assert re.fullmatch(r"  bf16 +: +[\d,.]+ tokens/s \(step [\d.]+ ms\), 1,024 B of cache "
+                        r"per token", lines[2]), lines[2]
+    assert lines[3].startswith("  nvfp4 (impl=jnp): ")
+    assert lines[4].startswith("speed-up NVFP4 over bf16") and lines[6].startswith("same memory")
+    assert lines.index(next(l for l in lines if l.startswith("device: "))) > 6
     cfg = example.parse_args(LONG_TINY)
     num_new = cfg.warmup + cfg.repeats * cfg.steps
     assert r["new_tokens"] == num_new == 8
