@@ -29,7 +29,8 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     under ``vmap``, head groups of :func:`jax_nvfp4.sharding.reshape_and_cache_grouped`, the
     tensor-parallel form). A page holds all heads' data and then all heads' scales, so the head
     axis of a plain cache cannot be split: a cache (or any operand) sharded along another axis
-    is gathered first: correct, not fast. See :mod:`jax_nvfp4.sharding`.
+    is gathered first: correct, not fast. See :mod:`jax_nvfp4.partitioning` (the rules) and
+    :mod:`jax_nvfp4.sharding` (the head-grouped cache).
 
     Args:
       key, value: ``[num_tokens, num_kv_heads, head_size]``, bfloat16 or float16, same dtype.

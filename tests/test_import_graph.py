@@ -115,3 +115,15 @@ def test_modules_import_only_from_layers_above():
     assert set(graph) == set(layer), "add new modules to LAYERS (and the docstring)"
     wrong = {(m, d) for m, deps in graph.items() for d in deps if layer[d] >= layer[m]}
     assert not wrong, wrong
+
+
+def test_sharding_keeps_its_public_names():
+    """Splitting the partitioning rules out of ``sharding`` kept every public name there."""
+    from jax_nvfp4 import partitioning, sharding
+
+    for name in ("SPLITTABLE", "partitioned_store", "grouped_kv_cache_shape", "split_heads",
+                 "merge_heads", "reshape_and_cache_grouped", "dequantize_grouped",
+                 "layer_slots", "paged_attention_grouped"):
+        assert callable(getattr(sharding, name)) or name == "SPLITTABLE", name
+    assert sharding.partitioned_store is partitioning.partitioned_store
+    assert sharding.SPLITTABLE == partitioning.SPLITTABLE == ("layer", "blocks")
