@@ -75,7 +75,9 @@ def _block_amax(x):
 
 
 def _block_scale(amax, g, inv_g, recip):
-    sf = g * (amax * recip)
+    # amax * recip on its own: under jit XLA reassociates g * (amax * 1/6) into
+    # (g * 1/6) * amax (recip is a constant), which can round differently.
+    sf = g * _rounded(amax * recip)
     byte = e4m3_encode(sf)
     sfq = e4m3_decode(byte)
     safe = jnp.where(sfq != 0, sfq, jnp.float32(1))
