@@ -480,3 +480,18 @@ def test_checked_under_plain_jit_says_what_to_do(name):
     assert err.get() is None
     err, _ = jax.jit(checkify.checkify(functools.partial(fn, checked=True)))(*args)
     assert err.get() is None
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_over_an_empty_batch():
+    gpu = jax.devices("gpu")[0]
+    cache = jax.device_put(jnp.zeros((0,) + _cache().shape, jnp.uint8), gpu)
+    key = jax.device_put(jnp.zeros((0, 5, 2, 64), jnp.bfloat16), gpu)
+    store = jax.jit(jax.vmap(jax_nvfp4.reshape_and_cache, in_axes=(0, 0, 0, None, 0, 0)))
+    assert store(key, key, cache, jnp.arange(5, dtype=jnp.int32), jnp.ones(0),
+                 jnp.ones(0)).shape == cache.shape
+    read = jax.jit(jax.vmap(functools.partial(jax_nvfp4.paged_attention, impl="kernel"),
+                            in_axes=(0, 0, None, None, 0, 0)))
+    q = jax.device_put(jnp.zeros((0, 3, 4, 64), jnp.bfloat16), gpu)
+    assert read(q, cache, jnp.zeros((3, 2), jnp.int32), jnp.ones(3, jnp.int32), jnp.ones(0),
+                jnp.ones(0)).shape == (0, 3, 4, 64)
