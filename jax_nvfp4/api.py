@@ -53,8 +53,8 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
         data: no finite value of key (value) beyond ``6 * 448 * k_scale`` (clipped: the scale
         is too small) and not every block of a nonzero key (value) stored as zeros (the scale
         is too large). Eagerly a failed check raises ``checkify.JaxRuntimeError``; under
-        ``jit`` wrap the jitted function in ``checkify.checkify`` (a plain ``jit`` refuses to
-        compile it, saying so).
+        ``jit`` checkify the function: ``err, out = jax.jit(checkify.checkify(f))(...)``
+        (a plain ``jit`` refuses to compile it, saying so).
 
     Returns:
       The updated cache (same shape and dtype as ``kv_cache``).

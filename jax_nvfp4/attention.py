@@ -215,8 +215,8 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
         sequence reads (``< ceil(seq_len / block_size)``) is a page id in ``[0, num_blocks)``,
         that ``0 <= seq_len <= max_blocks_per_seq * block_size`` and that the scales are valid
         (padding entries stay free). Eagerly a failed check raises
-        ``checkify.JaxRuntimeError``; under ``jit`` wrap the jitted function in
-        ``checkify.checkify`` (a plain ``jit`` refuses to compile it, saying so).
+        ``checkify.JaxRuntimeError``; under ``jit`` checkify the function:
+        ``jax.jit(checkify.checkify(f))`` (a plain ``jit`` refuses to compile it, saying so).
 
     Returns:
       ``[batch, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)`` with

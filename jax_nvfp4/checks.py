@@ -269,8 +269,9 @@ def _make_checkify_marker():
     def lowering(ctx, x, *, where):
         raise ValueError(
             f"{where}(checked=True) under jax.jit (or another staging transformation) needs "
-            f"jax.experimental.checkify.checkify around the staged function: "
-            f"err, out = checkify.checkify(jax.jit(f))(...), then err.throw() (or err.get()). "
+            f"jax.experimental.checkify.checkify around the function: "
+            f"err, out = jax.jit(checkify.checkify(f))(...), then err.throw() (or err.get()); "
+            f"checkify.checkify(jax.jit(f)) works too but traces f again on every call. "
             f"Called eagerly, {where}(checked=True) raises by itself.")
 
     mlir.register_lowering(marker, lowering)

@@ -68,13 +68,17 @@ def _measure(run_step, steps, warmup):
     gc.collect()
     rss0, live0 = rss_bytes(), len(jax.live_arrays())
     t0 = time.perf_counter()
+    trace = []                                     # RSS every tenth of the run
+    every = max((steps - warmup) // 10, 1)
     for i in range(warmup, steps):
         run_step(i)
+        if (i - warmup) % every == every - 1:
+            trace.append(rss_bytes())
     jax.effects_barrier()
     gc.collect()
     return dict(rss_before=rss0, rss_after=rss_bytes(), live_before=live0,
                 live_after=len(jax.live_arrays()), seconds=time.perf_counter() - t0,
-                steps=steps - warmup)
+                steps=steps - warmup, trace=trace)
 
 
 def _report(name, m):
@@ -82,7 +86,8 @@ def _report(name, m):
     print(f"\n{name}: {m['steps']} steps in {m['seconds']:.1f} s "
           f"({1e6 * m['seconds'] / m['steps']:.0f} us/step); RSS {m['rss_before'] / 2**20:.1f} "
           f"-> {m['rss_after'] / 2**20:.1f} MiB ({growth / 2**10:+.0f} KiB); live arrays "
-          f"{m['live_before']} -> {m['live_after']}")
+          f"{m['live_before']} -> {m['live_after']}; RSS every {m['steps'] // 10} steps "
+          f"(KiB over the first): {[(r - m['rss_before']) >> 10 for r in m['trace']]}")
     return growth
 
 
@@ -124,7 +129,9 @@ def test_soak_checked_store_and_read():
                                         checked=True)
         return cache, out
 
-    checked_step = checkify.checkify(jax.jit(step, donate_argnums=(0,)))
+    # jit outside checkify: compiled once. (checkify.checkify(jax.jit(step)) traces the
+    # checkified function again on every call: ~10 ms a step here, and JAX's caches grow.)
+    checked_step = jax.jit(checkify.checkify(step), donate_argnums=(0,))
     state = dict(cache=jax_nvfp4.allocate_kv_cache(num_blocks, BS, HEADS, D))
     q = jnp.asarray(np.random.default_rng(3).standard_normal((BATCH, Q_HEADS, D)), jnp.float32)
     keys_d = jnp.asarray(keys, jnp.bfloat16)
