@@ -913,38 +913,75 @@ def report_long_context(cfg, r):
     print(f"wall time {r['wall_s']:.1f} s")
 
 
+def config_problems(cfg: Config) -> list:
+    """What is wrong with a configuration, one message per problem (empty: it runs)."""
+    problems = []
+    at_least = dict(batch=1, steps=1, layers=1, d_model=1, num_q_heads=1, num_kv_heads=1,
+                    mlp=1, vocab=1, extra_blocks=0, context=0,
+                    repeats=1, warmup=1 if cfg.long_context else 0)
+    for name, low in at_least.items():
+        if getattr(cfg, name) < low:
+            problems.append(f"--{name.replace('_', '-')} must be >= {low}, got "
+                            f"{getattr(cfg, name)}")
+    if not cfg.prompt_lens or min(cfg.prompt_lens) < 1:
+        problems.append(f"--prompt-lens must all be >= 1, got {list(cfg.prompt_lens)}")
+    if cfg.num_q_heads >= 1 and cfg.num_kv_heads >= 1 and cfg.num_q_heads % cfg.num_kv_heads:
+        problems.append(f"--num-q-heads ({cfg.num_q_heads}) must be a multiple of "
+                        f"--num-kv-heads ({cfg.num_kv_heads}) (grouped-query attention)")
+    if cfg.block_size < 1 or cfg.block_size % 4:
+        problems.append(f"--block-size must be a positive multiple of 4 (the NVFP4 page "
+                        f"layout), got {cfg.block_size}")
+    if cfg.head_size < 1 or cfg.head_size % 64:
+        problems.append(f"--head-size must be a positive multiple of 64, got {cfg.head_size}: "
+                        f"this example stores V scales swizzled, which needs head_size % 64 == 0 "
+                        f"(other multiples of 16 need v_scale_swizzle=False)")
+    return problems
+
+
 def parse_args(argv=None) -> Config:
+    """The command line as a :class:`Config`; a configuration that cannot run exits with a
+    usage message naming the option (argparse's ``error``, exit status 2)."""
     d = Config()
     # Options whose default --long-context changes default to None here and are resolved below.
     long_default = {k: f" ({v} with --long-context)" for k, v in LONG_CONTEXT_DEFAULTS.items()
                     if v != getattr(d, k)}
 
-    def sized(name, help_text="", parser=None):
+    def sized(name, help_text, parser=None):
         field = name.lstrip("-").replace("-", "_")
         default = getattr(d, field)
         (parser or p).add_argument(
-            name, type=int, default=None,
-            help=f"{help_text}default {default}{long_default.get(field, '')}")
+            name, type=int, default=None, metavar="N",
+            help=f"{help_text} (default {default}{long_default.get(field, '')})")
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sized("--batch")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Example: python examples/paged_decode.py --batch 8 --prompt-lens 5 60 130 "
+               "--steps 64 --layout NHD")
+    sized("--batch", "sequences decoded together")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=list(d.prompt_lens),
-                   help="prompt lengths, cycled over the batch")
-    sized("--steps", "decode steps (with --long-context: timed steps per repeat); ")
-    sized("--layers")
-    sized("--d-model")
-    sized("--num-q-heads")
-    sized("--num-kv-heads")
-    sized("--head-size")
-    sized("--mlp")
-    sized("--vocab")
-    sized("--block-size")
-    p.add_argument("--layout", choices=jax_nvfp4.LAYOUTS, default=d.layout)
-    p.add_argument("--scale-search", choices=jax_nvfp4.SCALE_SEARCHES, default=d.scale_search)
-    p.add_argument("--extra-blocks", type=int, default=d.extra_blocks)
+                   metavar="N", help=f"prompt lengths in tokens, cycled over the batch (default "
+                                     f"{' '.join(map(str, d.prompt_lens))})")
+    sized("--steps", "decode steps (with --long-context: timed steps per repeat)")
+    sized("--layers", "transformer layers, each with its own KV cache")
+    sized("--d-model", "model width")
+    sized("--num-q-heads", "query heads; a multiple of --num-kv-heads")
+    sized("--num-kv-heads", "key/value heads (grouped-query attention)")
+    sized("--head-size", "elements per head; a multiple of 64 (swizzled V scales)")
+    sized("--mlp", "hidden size of the SwiGLU MLP")
+    sized("--vocab", "vocabulary size")
+    sized("--block-size", "tokens per cache page; a multiple of 4")
+    p.add_argument("--layout", choices=jax_nvfp4.LAYOUTS, default=d.layout,
+                   help=f"page layout of the NVFP4 cache (default {d.layout!r})")
+    p.add_argument("--scale-search", choices=jax_nvfp4.SCALE_SEARCHES, default=d.scale_search,
+                   help=f"block-scale choice of the NVFP4 store: 'default' (amax/6) or '4over6' "
+                        f"(also tries amax/4, lower error, slower store) (default "
+                        f"{d.scale_search!r})")
+    p.add_argument("--extra-blocks", type=int, default=d.extra_blocks, metavar="N",
+                   help=f"cache pages beyond what the sequences need (default {d.extra_blocks})")
     p.add_argument("--teacher-force", action="store_true",
                    help="feed the NVFP4 run the bf16 run's tokens (compare every step)")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help=f"seed of the weights, prompts and page allocation (default {d.seed})")
     p.add_argument("--no-progress", action="store_true",
                    help="no stage lines or progress bars on stderr")
     p.add_argument("--verbose", action="store_true",
@@ -955,12 +992,12 @@ def parse_args(argv=None) -> Config:
         "per sequence (filled with random values, no prefill), NVFP4 against bf16")
     g.add_argument("--long-context", action="store_true",
                    help="run the long-context benchmark instead of the greedy-decode comparison")
-    sized("--context", "tokens already in each sequence's cache; ", g)
-    g.add_argument("--repeats", type=int, default=d.repeats,
+    sized("--context", "tokens already in each sequence's cache", g)
+    g.add_argument("--repeats", type=int, default=d.repeats, metavar="N",
                    help=f"timings of --steps steps each; the median is reported (default "
                         f"{d.repeats})")
-    g.add_argument("--warmup", type=int, default=d.warmup,
-                   help=f"untimed steps after compiling (default {d.warmup})")
+    g.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                   help=f"untimed steps after compiling, at least 1 (default {d.warmup})")
     g.add_argument("--nvfp4-jnp", action="store_true",
                    help="also time the NVFP4 cache with paged_attention(impl='jnp') (the XLA "
                         "reader): on a GPU, what the fused kernel buys on the same cache")
@@ -969,12 +1006,16 @@ def parse_args(argv=None) -> Config:
     size = {k: getattr(a, k) if getattr(a, k) is not None else defaults[k]
             for k in ("batch", "steps", "layers", "d_model", "num_q_heads", "num_kv_heads",
                       "head_size", "mlp", "vocab", "block_size", "context")}
-    return Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
-                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
-                  teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
-                  verbose=a.verbose,
-                  long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
-                  nvfp4_jnp=a.nvfp4_jnp, **size)
+    cfg = Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
+                 scale_search=a.scale_search, extra_blocks=a.extra_blocks,
+                 teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
+                 verbose=a.verbose,
+                 long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
+                 nvfp4_jnp=a.nvfp4_jnp, **size)
+    problems = config_problems(cfg)
+    if problems:
+        p.error("; ".join(problems))
+    return cfg
 
 
 def main(argv=None) -> dict:

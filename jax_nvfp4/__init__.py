@@ -5,15 +5,19 @@ float32 global scale: 72 bytes per head and token at head_size 128, against 256 
 The store is an XLA FFI kernel (CPU and CUDA) updating the cache in place.
 """
 
-from .api import allocate_kv_cache, dequantize, reshape_and_cache, slot_mapping_problems
+from .api import (allocate_kv_cache, dequantize, reshape_and_cache, scale_from_amax,
+                  slot_mapping_problems)
 from .attention import paged_attention, paged_attention_bf16
-from .layout import LAYOUTS, SCALE_SEARCHES, head_bytes, kv_cache_shape
-from . import reference, sharding
+from .layout import LAYOUTS, MAX_SCALE, MIN_SCALE, SCALE_SEARCHES, head_bytes, kv_cache_shape
+from . import checks, reference, sharding
 
 __all__ = [
     "LAYOUTS",
+    "MAX_SCALE",
+    "MIN_SCALE",
     "SCALE_SEARCHES",
     "allocate_kv_cache",
+    "checks",
     "dequantize",
     "head_bytes",
     "kv_cache_shape",
@@ -21,6 +25,7 @@ __all__ = [
     "paged_attention_bf16",
     "reference",
     "reshape_and_cache",
+    "scale_from_amax",
     "sharding",
     "slot_mapping_problems",
 ]

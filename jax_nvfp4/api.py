@@ -39,22 +39,38 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
       slot_mapping: ``[num_tokens]`` int32 or int64.
       k_scale, v_scale: float32 scalars (shape ``()`` or ``(1,)``, device values: a new
         calibration does not recompile): the *dequantisation* multipliers, e.g.
-        ``amax(|K|) / 448``. The store divides by them.
+        ``amax(|K|) / 448`` (:func:`jax_nvfp4.scale_from_amax`). The store divides by them.
+        A valid scale is a float32 in ``[2**-126, 2**116]`` (``MIN_SCALE``, ``MAX_SCALE``);
+        any other (zero, negative, NaN, infinite, subnormal, larger) is replaced by NaN, so
+        the tokens stored with it get NaN block scales and read back as NaN, on every
+        backend (:func:`jax_nvfp4.checks.sanitize_scale`).
       layout: ``"HND"`` (default, what trtllm-gen reads) or ``"NHD"``.
       scale_search: ``"default"`` (block scale from amax/6) or ``"4over6"`` (also tries amax/4
         and keeps the scale with the smaller squared error).
       v_scale_swizzle: V block scales in the swizzled order SM100 trtllm-gen kernels read
         (default) or linear.
-      checked: also verify that every non-negative slot is in range and that no slot repeats,
-        via ``jax.experimental.checkify`` (eagerly this raises; under ``jit`` wrap the function
-        in ``checkify.checkify``).
+      checked: also verify, via ``jax.experimental.checkify``, that every non-negative slot is
+        in range, that no slot repeats, that k_scale and v_scale are valid scales and suit the
+        data: no finite value of key (value) beyond ``6 * 448 * k_scale`` (clipped: the scale
+        is too small) and not every block of a nonzero key (value) stored as zeros (the scale
+        is too large). Eagerly a failed check raises ``checkify.JaxRuntimeError``; under
+        ``jit`` checkify the function: ``err, out = jax.jit(checkify.checkify(f))(...)``
+        (a plain ``jit`` refuses to compile it, saying so).
 
     Returns:
       The updated cache (same shape and dtype as ``kv_cache``).
 
+      ValueError: also for a host (NumPy, list) slot_mapping with values that do not fit the
+        dtype JAX gives it (int32 unless x64 is on): they would wrap around to other slots.
+        (Under ``jax.jit`` JAX converts NumPy arguments at the ``jit`` boundary, before this
+        function sees them: pass device int32 arrays, or enable x64.)
+
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
+    checks.check_options(layout=layout, scale_search=scale_search,
+                         v_scale_swizzle=v_scale_swizzle, checked=checked)
+    slot_mapping = checks.host_integers(slot_mapping, "slot_mapping")
     key, value, kv_cache, slot_mapping = (
         x if hasattr(x, "dtype") else jnp.asarray(x) for x in (key, value, kv_cache, slot_mapping))
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
@@ -63,9 +79,55 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
                                   layout=layout, scale_search=scale_search,
                                   v_scale_swizzle=v_scale_swizzle)
     if checked:
+        slot_mapping = checks.require_checkify(slot_mapping, "reshape_and_cache")
         _check_slots(slot_mapping, geo.num_slots)
+        _check_store_scales(key, value, k_scale, v_scale, scale_search)
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
     return store_p.bind(key, value, kv_cache, slot_mapping, k_scale, v_scale, layout=layout,
                         scale_search=scale_search, v_scale_swizzle=bool(v_scale_swizzle))
+
+
+def scale_from_amax(amax, *, fallback=1.0):
+    """The global scale (k_scale / v_scale) for data whose largest magnitude is ``amax``.
+
+    ``amax / 448`` in float32: the convention of vLLM and FlashInfer, where the largest E4M3
+    block scale (448) covers the largest value, with the E2M1 codes' factor 6 as headroom. The
+    result is always a valid scale (a float32 in ``[MIN_SCALE, MAX_SCALE]``), never 0, NaN or
+    Inf:
+
+    * an ``amax`` of 0 (an all-zero or all-padding calibration batch), or one that is negative,
+      NaN, infinite or below the smallest normal float32 (data the store flushes to zero
+      anyway) gives ``fallback`` (1.0, vLLM's default when nothing is calibrated: values up to
+      ``6 * 448 = 2688`` are stored);
+    * a tiny ``amax`` gives at least ``MIN_SCALE``, a huge one at most ``MAX_SCALE``.
+
+    Compute ``amax`` with ``jnp.max(jnp.abs(x))`` (NaN in the data makes it NaN: use
+    ``jnp.nanmax`` to skip NaN, as the store's block amax does). jit-compatible; works
+    elementwise on arrays of amaxes (one scale per layer).
+
+    Args:
+      amax: a number or a float array.
+      fallback: the scale for an unusable ``amax``; must itself be a valid scale.
+
+    Returns:
+      float32 array of ``amax``'s shape.
+    """
+    fallback_value = float(fallback)
+    if not _layout.MIN_SCALE <= fallback_value <= _layout.MAX_SCALE:
+        raise ValueError(f"fallback must be a valid global scale in [2**-126, 2**116], "
+                         f"got {fallback!r}")
+    amax = jnp.asarray(amax)
+    if not jnp.issubdtype(amax.dtype, jnp.floating) and not jnp.issubdtype(amax.dtype,
+                                                                          jnp.integer):
+        raise TypeError(f"amax must be a real number or array, got {checks.dtype_name(amax.dtype)}")
+    amax = amax.astype(jnp.float32)
+    usable = jnp.isfinite(amax) & (amax >= jnp.float32(_layout.MIN_SCALE))
+    # A divisor XLA cannot see as a constant: it would multiply by a rounded 1/448 instead (one
+    # ulp off amax / 448 under jit). The other branch is never used (amax is NaN there).
+    divisor = jnp.where(jnp.isnan(amax), jnp.float32(1), jnp.float32(_layout.E4M3_MAX))
+    scale = jnp.where(usable, amax, 1) / divisor
+    scale = jnp.clip(scale, jnp.float32(_layout.MIN_SCALE), jnp.float32(_layout.MAX_SCALE))
+    return jnp.where(usable, scale, jnp.float32(fallback_value))
 
 
 def slot_mapping_problems(slot_mapping, num_slots: int):
@@ -75,7 +137,8 @@ def slot_mapping_problems(slot_mapping, num_slots: int):
     non-negative slots that appear more than once (each repeat counted once). Negative slots
     (padding) count as neither.
     """
-    slot_mapping = jnp.asarray(slot_mapping)
+    num_slots = _layout.check_int(num_slots, "num_slots")
+    slot_mapping = jnp.asarray(checks.host_integers(slot_mapping, "slot_mapping"))
     valid = (slot_mapping >= 0) & (slot_mapping < num_slots)
     out_of_range = jnp.sum(slot_mapping >= num_slots, dtype=jnp.int32)
     # Invalid slots become distinct negative numbers so they never pair up.
@@ -84,6 +147,42 @@ def slot_mapping_problems(slot_mapping, num_slots: int):
     ordered = jnp.sort(keyed)
     duplicates = jnp.sum((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0), dtype=jnp.int32)
     return out_of_range, duplicates
+
+
+def _check_store_scales(key, value, k_scale, v_scale, scale_search):
+    """checked=True: the scales are valid, and suit the data (nothing clipped, not everything
+    zero)."""
+    from jax.experimental import checkify
+
+    checks.check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)), "reshape_and_cache")
+    for name, x, scale_name, s in (("key", key, "k_scale", k_scale),
+                                   ("value", value, "v_scale", v_scale)):
+        a = jnp.abs(x.astype(jnp.float32))
+        amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0.0)    # finite values
+        amax_all = jnp.max(jnp.where(jnp.isnan(a), 0, a), initial=0.0)   # Inf included
+        s = jnp.min(jnp.reshape(s, (-1,)))  # the smallest of per-layer scales (vmap)
+        largest = _reference._rounded(jnp.float32(_layout.LARGEST_STORED) * s)
+        clipped = jnp.sum(jnp.isfinite(a) & (a > largest), dtype=jnp.int32)
+        valid = checks.scale_is_valid(s)
+        checkify.check(
+            ~valid | (clipped == 0),
+            f"reshape_and_cache: {{n}} finite value(s) of {name} exceed 6 * 448 * {scale_name} "
+            f"= {{top}}, the largest magnitude the cache holds at this scale, and are clipped to "
+            f"it (the largest is {{amax}}): {scale_name} is too small for this data; calibrate "
+            f"with jax_nvfp4.scale_from_amax(amax)", n=clipped, top=largest, amax=amax)
+        # The block holding amax gets the largest block scale: if even that is 0, every block
+        # of x is stored as zeros.
+        g, inv_g = _reference.store_factor(s)
+        top_byte = _reference._block_scale(amax_all, g, inv_g, _reference._RECIP6)[0]
+        if scale_search == "4over6":
+            top_byte = top_byte | _reference._block_scale(amax_all, g, inv_g,
+                                                          _reference._RECIP4)[0]
+        checkify.check(
+            ~valid | (amax_all == 0) | (top_byte != 0),
+            f"reshape_and_cache: every value of {name} is stored as zero: its largest finite "
+            f"magnitude {{amax}} is below the smallest block scale 2**-10 * 6 * {scale_name} "
+            f"({scale_name} = {{s}} is too large for this data); calibrate with "
+            f"jax_nvfp4.scale_from_amax(amax)", amax=amax, s=s)
 
 
 def _check_slots(slot_mapping, num_slots):
@@ -108,19 +207,30 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
 
 
 def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True,
-               dtype=jnp.bfloat16):
+               dtype=jnp.bfloat16, checked=False):
     """Reads a whole NVFP4 cache back to floats.
 
     Value = E2M1 code * E4M3 block scale * k_scale (v_scale for V), docs/format.md §1.
 
     Args:
       kv_cache: ``uint8`` cache of :func:`kv_cache_shape` for ``layout``.
-      k_scale, v_scale: the float32 scalars the cache was written with.
-      layout, v_scale_swizzle: as the cache was written.
-      dtype: output float dtype.
+      k_scale, v_scale: the float32 scalars the cache was written with; an invalid scale
+        (outside ``[2**-126, 2**116]``: zero, negative, NaN, infinite, subnormal) reads NaN.
+      layout, v_scale_swizzle: as the cache was written (the bytes do not record them: a
+        cache whose shape fits both layouts is read as told).
+      dtype: output floating-point dtype.
+      checked: also report invalid scales (``jax.experimental.checkify``, as for the store).
 
     Returns:
       ``(k, v)``, each ``[num_blocks, block_size, num_kv_heads, head_size]`` in ``dtype``.
     """
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype,
+                         checked=checked)
+    if checked:
+        k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+        checks.check_scale(k_scale, "k_scale")
+        checks.check_scale(v_scale, "v_scale")
+        k_scale = checks.require_checkify(k_scale, "dequantize")
+        checks.check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)), "dequantize")
     return _reference.dequantize(kv_cache, k_scale, v_scale, layout=layout,
                                  v_scale_swizzle=v_scale_swizzle, dtype=dtype)

@@ -22,6 +22,7 @@ import numpy as np
 
 from . import attention_primitive as _primitive
 from . import checks
+from . import layout as _layout
 from . import reference as _reference
 from .reference import attend  # noqa: F401  (re-exported: the attention math of every reader)
 
@@ -53,7 +54,10 @@ def _check_heads(num_q_heads, num_kv_heads, head_size_q, head_size_cache, cache_
 
 
 def _check_tables(block_tables, seq_lens, batch):
-    """Validates block_tables and seq_lens (lists/NumPy arrays are accepted and converted)."""
+    """Validates block_tables and seq_lens (lists/NumPy arrays are accepted and converted; their
+    values must fit int32, the dtype the readers use, rather than wrap)."""
+    block_tables = checks.host_integers(block_tables, "block_tables", np.int32)
+    seq_lens = checks.host_integers(seq_lens, "seq_lens", np.int32)
     block_tables, seq_lens = (x if hasattr(x, "dtype") else jnp.asarray(x)
                               for x in (block_tables, seq_lens))
     for name, x, rank, what in (("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]"),
@@ -73,6 +77,65 @@ def _scale(s, argument):
     return jnp.reshape(s, ())
 
 
+def check_reads(block_tables, seq_lens, num_blocks, block_size, scales, where):
+    """The run-time checks of ``checked=True`` for the readers (``jax.experimental.checkify``):
+    every page a sequence reads (block-table entries ``< ceil(seq_len / block_size)``) is a page
+    id in ``[0, num_blocks)``, ``0 <= seq_len <= max_blocks_per_seq * block_size``, and the
+    global scales are valid. Entries past a sequence's pages are padding: not checked."""
+    from jax.experimental import checkify
+
+    block_tables, lens = jnp.asarray(block_tables), jnp.asarray(seq_lens)
+    max_blocks = block_tables.shape[1]
+    capacity = max_blocks * block_size
+    if not lens.shape[0]:
+        if scales:
+            checks.check_scale_values(scales, where)
+        return
+    over = lens > min(capacity, int(jnp.iinfo(lens.dtype).max))
+    for n, bad, what in (
+            (jnp.sum(lens < 0, dtype=jnp.int32), lens < 0, "are negative (read as 0)"),
+            (jnp.sum(over, dtype=jnp.int32), over,
+             f"exceed max_blocks_per_seq * block_size = {max_blocks} * {block_size} = {capacity} "
+             f"(block_tables is too narrow: positions past {capacity} are not attended to)")):
+        first = jnp.argmax(bad)
+        checkify.check(n == 0, f"{where}: {{n}} value(s) of seq_lens {what}; first: "
+                               f"seq_lens[{{b}}] = {{value}}", n=n, b=first, value=lens[first])
+    if max_blocks:
+        top = min(capacity, int(np.iinfo(np.int32).max))
+        clipped = jnp.clip(checks.to_int32(lens), 0, top)
+        pages = -(-clipped // block_size)                                 # pages each reads
+        inside = jnp.arange(max_blocks, dtype=jnp.int32)[None, :] < pages[:, None]
+        bad = inside & ((block_tables < 0) | (block_tables >= num_blocks))
+        n = jnp.sum(bad, dtype=jnp.int32)
+        first = jnp.argmax(bad.reshape(-1))
+        b, j = first // max_blocks, first % max_blocks
+        checkify.check(
+            n == 0,
+            f"{where}: {{n}} block_tables entries inside seq_len are not page ids in "
+            f"[0, num_blocks = {num_blocks}); first: block_tables[{{b}}, {{j}}] = {{value}} with "
+            f"seq_lens[{{b}}] = {{length}} (unchecked, such an entry reads page 0 or page "
+            f"{max(num_blocks - 1, 0)}: clamped). Entries past a sequence's "
+            f"ceil(seq_len / block_size) pages are padding and may hold anything.",
+            n=n, b=b, j=j, value=block_tables.reshape(-1)[first], length=lens[b])
+    if scales:
+        checks.check_scale_values(scales, where)
+
+
+def _nan_if_invalid(result, k_scale, v_scale):
+    """The readers' contract for an invalid global scale: every output (and lse) is NaN, on
+    every implementation."""
+    valid = checks.scale_is_valid(k_scale) & checks.scale_is_valid(v_scale)
+    return tuple(jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in result)
+
+
+def _layout_hint(kv_cache_shape, layout, num_q_heads, head_size):
+    """Where q's heads do not fit the cache read in ``layout`` but fit the other reading."""
+    other = _layout.CacheGeometry.other_reading(kv_cache_shape, layout)
+    if other is None or other.head_size != head_size or num_q_heads % other.num_kv_heads:
+        return ""
+    return ". " + other.written_as_hint()
+
+
 def _sm_scale(sm_scale, head_size):
     if sm_scale is None:
         return _reference.default_sm_scale(head_size)
@@ -87,7 +150,8 @@ def _sm_scale(sm_scale, head_size):
 
 
 def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, layout="HND",
-                    v_scale_swizzle=True, sm_scale=None, return_lse=False, impl="auto"):
+                    v_scale_swizzle=True, sm_scale=None, return_lse=False, impl="auto",
+                    checked=False):
     """Decode attention reading an NVFP4 paged KV cache (one query token per sequence).
 
     Sequence ``b`` attends to its first ``seq_lens[b]`` positions; position ``t`` lives in page
@@ -110,11 +174,13 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
 
     Entries of ``block_tables`` past a sequence's pages are padding and may hold anything
     (``-1``, out-of-range ids, other sequences' pages): the kernel never reads them, the jnp
-    path clamps them into range and masks them out. Entries *inside* ``seq_len`` are not
-    checked: an id outside ``[0, num_blocks)`` is clamped into range (page 0 or the last page)
-    by both paths; nothing outside the cache is ever read. Rows of the last page past
+    path clamps them into range and masks them out. Entries *inside* ``seq_len`` are checked
+    only with ``checked=True``: unchecked, an id outside ``[0, num_blocks)`` is clamped into
+    range (page 0 or the last page) by both paths, so such a sequence silently attends to
+    another page; nothing outside the cache is ever read. Rows of the last page past
     ``seq_len`` are masked, whatever they hold. A sequence with ``seq_len == 0`` gets a zero
-    output (and an ``lse`` of ``-inf``).
+    output (and an ``lse`` of ``-inf``). With an invalid global scale (outside ``[2**-126,
+    2**116]``: zero, negative, NaN, infinite, subnormal) the whole output and lse are NaN.
 
     Works under ``jax.jit`` (``layout``, ``v_scale_swizzle``, ``return_lse``, ``impl`` and a
     Python ``sm_scale`` are static), ``jax.vmap`` over stacked layers or head groups (one
@@ -145,6 +211,12 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
       impl: ``"auto"`` (the CUDA kernel where it runs, the jnp path elsewhere), ``"kernel"``
         (the CUDA kernel or an error when lowering for a platform or head size it does not
         cover) or ``"jnp"`` (the jnp path on every backend).
+      checked: also verify, via ``jax.experimental.checkify``, that every block-table entry a
+        sequence reads (``< ceil(seq_len / block_size)``) is a page id in ``[0, num_blocks)``,
+        that ``0 <= seq_len <= max_blocks_per_seq * block_size`` and that the scales are valid
+        (padding entries stay free). Eagerly a failed check raises
+        ``checkify.JaxRuntimeError``; under ``jit`` checkify the function:
+        ``jax.jit(checkify.checkify(f))`` (a plain ``jit`` refuses to compile it, saying so).
 
     Returns:
       ``[batch, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)`` with
@@ -153,15 +225,19 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse,
+                         impl=impl, checked=checked)
     batch, num_q_heads, head_size = _check_q(q)
     if not hasattr(kv_cache, "dtype"):
         kv_cache = jnp.asarray(kv_cache)
-    checks.check_flag(v_scale_swizzle, "v_scale_swizzle")
-    checks.check_flag(return_lse, "return_lse")
-    if impl not in _primitive.IMPLS:
-        raise ValueError(f"impl must be one of {_primitive.IMPLS}, got {impl!r}")
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
-    _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
+    try:
+        _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
+    except ValueError as error:
+        hint = _layout_hint(kv_cache.shape, layout, num_q_heads, head_size)
+        if not hint:
+            raise
+        raise ValueError(f"{error}{hint}") from None
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, batch)
     k_scale = _scale(k_scale, "k_scale")
     v_scale = _scale(v_scale, "v_scale")
@@ -170,6 +246,12 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     if geo.num_blocks == 0 and max_blocks:
         raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
                          f"{max_blocks} column(s)")
+    if checked:
+        block_tables = checks.require_checkify(block_tables, "paged_attention")
+        check_reads(block_tables, seq_lens, geo.num_blocks, geo.block_size,
+                    (("k_scale", k_scale), ("v_scale", v_scale)), "paged_attention")
+    raw_scales = k_scale, v_scale
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
 
     if impl == "jnp":
         result = _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale,
@@ -179,10 +261,12 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     else:
         result = _primitive.bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                                  layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+    result = _nan_if_invalid(result, *raw_scales)
     return result if return_lse else result[0]
 
 
-def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None):
+def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scale=None,
+                         checked=False):
     """Decode attention over a plain (bf16) paged cache: the twin of :func:`paged_attention`.
 
     Same paging, masking, padding rules and attention math (:func:`attend`) as the NVFP4
@@ -198,6 +282,7 @@ def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scal
       block_tables: ``[batch, max_blocks_per_seq]`` integer page ids; padding may hold anything.
       seq_lens: ``[batch]`` integer.
       sm_scale: softmax scale, default ``1 / sqrt(head_size)``.
+      checked: as for :func:`paged_attention` (page ids inside ``seq_len`` and the lengths).
 
     Returns:
       ``[batch, num_q_heads, head_size]`` in q's dtype; softmax in float32.
@@ -205,6 +290,7 @@ def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scal
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
+    checks.check_options(checked=checked)
     batch, num_q_heads, head_size = _check_q(q)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not hasattr(c, "dtype") or checks.dtype_name(c.dtype) not in _CACHE_DTYPES:
@@ -224,6 +310,9 @@ def paged_attention_bf16(q, k_cache, v_cache, block_tables, seq_lens, *, sm_scal
     if num_blocks == 0 and max_blocks:
         raise ValueError("k_cache has no pages (num_blocks == 0) but block_tables has "
                          f"{max_blocks} column(s)")
+    if checked:
+        block_tables = checks.require_checkify(block_tables, "paged_attention_bf16")
+        check_reads(block_tables, seq_lens, num_blocks, block_size, (), "paged_attention_bf16")
 
     index = _reference.gather_index(block_tables, num_blocks)
     shape = (batch, max_blocks * block_size, num_kv_heads, head_size)

@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from . import checks
 from . import layout as _layout
 from . import reference as _reference
 from . import partitioning as _partitioning
@@ -42,7 +43,7 @@ DECODE_TARGET = _ffi.DECODE_TARGET
 #: Head sizes the CUDA kernel is compiled for.
 KERNEL_HEAD_SIZES = (64, 128, 256)
 #: Implementations a caller may ask for (``"jnp"`` never reaches the primitive).
-IMPLS = ("auto", "kernel", "jnp")
+IMPLS = checks.IMPLS
 
 # Split-KV policy (see plan_splits).
 _TOKENS_PER_CTA_STEP = 128      # one step of a CTA: 4 warps x 32 positions (ffi/decode_cuda.cu)
@@ -83,8 +84,8 @@ def bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, lay
     block_tables ``[batch, M]``, seq_lens ``[batch]``, scalar scales. Returns ``(out, lse)``."""
     lead = lambda x: jnp.reshape(x, (1,) + tuple(x.shape))  # noqa: E731
     out, lse = decode_p.bind(
-        lead(q), lead(kv_cache), lead(block_tables.astype(jnp.int32)),
-        lead(seq_lens.astype(jnp.int32)), *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,))
+        lead(q), lead(kv_cache), lead(checks.to_int32(block_tables)),
+        lead(checks.to_int32(seq_lens)), *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,))
                                             for s in (k_scale, v_scale, sm_scale)),
         layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl)
     return out[0], lse[0]
@@ -248,6 +249,10 @@ def _batch(args, dims, *, layout, v_scale_swizzle, impl):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
     # L of the unbatched canonical form: q's first axis other than the member axis.
     stacked = q.shape[1 if dims[0] == 0 else 0]
+    if size == 0:  # an empty batch: empty results, no launch
+        member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
+        return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
+                (0, 0))
 
     def front(x, d):
         """[V, ...] with the member axis first (broadcast if x is shared)."""

@@ -1,13 +1,15 @@
-"""Trace-time validation of the store's arguments (docs/format.md §5): one function, used by the
-primitive's abstract evaluation and by the jnp reference, so both refuse the same calls with
-the same messages, each naming the argument and what was expected."""
+"""Validation shared by every public function: trace-time checks of the store's arguments
+(docs/format.md §5; one function, used by the primitive's abstract evaluation and by the jnp
+reference, so both refuse the same calls with the same messages), of options
+(:func:`check_options`), of host-side integer arrays (:func:`host_integers`), the global-scale
+contract (:func:`sanitize_scale`) and the run-time checks of ``checked=True``
+(:func:`require_checkify`). Every error names the argument and what was expected."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from . import layout as _layout
-
 
 
 _FLOAT_INPUTS = ("bfloat16", "float16")
@@ -25,9 +27,7 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     Returns the cache's ``CacheGeometry``. Raises ``TypeError`` for a wrong dtype and
     ``ValueError`` for a wrong shape or option.
     """
-    _layout.check_layout(layout)
-    _layout.check_scale_search(scale_search)
-    check_flag(v_scale_swizzle, "v_scale_swizzle")
+    check_options(layout=layout, scale_search=scale_search, v_scale_swizzle=v_scale_swizzle)
     lead = 0 if num_layers is None else 1
 
     for name, x in (("key", key), ("value", value)):
@@ -58,9 +58,14 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     expected = _layout.kv_cache_shape(geometry.num_blocks, geometry.block_size, num_kv_heads,
                                       head_size, layout)
     if cache_shape[lead:] != expected:
+        other = _layout.CacheGeometry.other_reading(cache_shape[lead:], layout)
+        hint = ""
+        if other is not None and (other.num_kv_heads, other.head_size) == (num_kv_heads,
+                                                                          head_size):
+            hint = ". " + other.written_as_hint()
         raise ValueError(
             f"kv_cache shape {cache_shape[lead:]} does not match key (num_kv_heads={num_kv_heads}, "
-            f"head_size={head_size}): expected {expected} for layout {layout!r}")
+            f"head_size={head_size}): expected {expected} for layout {layout!r}{hint}")
 
     if dtype_name(slot_mapping.dtype) not in _SLOT_DTYPES:
         raise TypeError(f"slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")
@@ -77,7 +82,7 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
 
 def check_kv_cache(kv_cache, layout, v_scale_swizzle, argument="kv_cache"):
     """Validates a cache on its own (for readers); returns its ``CacheGeometry``."""
-    _layout.check_layout(layout)
+    check_options(layout=layout, v_scale_swizzle=v_scale_swizzle)
     if dtype_name(kv_cache.dtype) != "uint8":
         raise TypeError(f"{argument} must be uint8, got {dtype_name(kv_cache.dtype)}")
     geometry = _layout.CacheGeometry.from_shape(kv_cache.shape, layout, argument)
@@ -90,8 +95,202 @@ def dtype_name(dtype) -> str:
 
 
 def check_flag(value, argument):
+    """A bool (Python or NumPy): 0, 1, None and strings are refused, not read as truth values."""
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{argument} must be a bool, got {value!r}")
+        raise TypeError(f"{argument} must be a bool (True or False), got {value!r}")
+
+
+def check_float_dtype(dtype, argument="dtype"):
+    """A floating-point dtype (bfloat16, float16, float32, float64 ...); returns it as
+    ``np.dtype``."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{argument} must be a floating-point dtype, got {dtype!r}") from None
+    import jax.numpy as jnp
+
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(f"{argument} must be a floating-point dtype (e.g. jnp.bfloat16, "
+                        f"jnp.float32), got {dt.name}")
+    return dt
+
+
+#: Implementations of the decode readers (attention_primitive.IMPLS).
+IMPLS = ("auto", "kernel", "jnp")
+
+
+def check_options(**options):
+    """The one validation of keyword options, for every public function: layout and
+    scale_search among their values, v_scale_swizzle / checked / return_lse bools, dtype a
+    floating-point dtype, impl among :data:`IMPLS`. Raises ``ValueError`` (unknown value) or
+    ``TypeError`` (wrong type) naming the option."""
+    for name, value in options.items():
+        if name == "layout":
+            _layout.check_layout(value)
+        elif name == "scale_search":
+            _layout.check_scale_search(value)
+        elif name in ("v_scale_swizzle", "checked", "return_lse"):
+            check_flag(value, name)
+        elif name == "dtype":
+            check_float_dtype(value, name)
+        elif name == "impl":
+            if not isinstance(value, str) or value not in IMPLS:
+                raise ValueError(f"impl must be one of {IMPLS}, got {value!r}")
+        else:  # pragma: no cover - a programming error in this package
+            raise AssertionError(f"check_options does not know {name!r}")
+
+
+# --------------------------------------------------------------------------- host integers
+
+
+def host_integers(x, argument, dtype=None):
+    """Integer arguments given on the host (lists, tuples, NumPy arrays or scalars, Python
+    ints) are checked to fit the dtype they will be used in, so that nothing wraps.
+
+    ``dtype`` is that dtype (int32 for the readers' block tables and lengths); by default the
+    dtype JAX converts the value to (int32 unless ``jax_enable_x64``: a NumPy int64 array would
+    otherwise wrap silently, slot 2**32 + 3 becoming slot 3). Returns a NumPy array of that
+    dtype for host values; device arrays and tracers are returned as they are (they already
+    have a JAX dtype). Non-integer values are returned unchanged, for the callers' dtype checks.
+    Raises ``ValueError`` naming ``argument`` and the first value that does not fit.
+    """
+    if hasattr(x, "dtype") and not isinstance(x, (np.ndarray, np.generic)):
+        return x  # a jax.Array or a tracer
+    array = np.asarray(x)
+    if array.dtype == object:
+        raise ValueError(f"{argument} holds values that are not 64-bit integers (e.g. Python "
+                         "ints beyond int64): they cannot be slots or page ids")
+    if array.dtype.kind not in "iu":
+        return x
+    import jax
+
+    target = np.dtype(dtype) if dtype is not None else np.dtype(
+        jax.dtypes.canonicalize_dtype(array.dtype))
+    if array.size and target.kind in "iu":
+        info = np.iinfo(target)
+        low, high = array.min(), array.max()
+        if int(low) < info.min or int(high) > info.max:
+            bad = array[(array < info.min) | (array > info.max)].reshape(-1)[0]
+            index = tuple(int(i) for i in np.argwhere(array == bad)[0])
+            raise ValueError(
+                f"{argument} holds {int(bad)} (at index {index}), which does not fit {target.name}"
+                f", the dtype it is used in (values outside [{info.min}, {info.max}] would wrap "
+                "around to other slots or pages); "
+                + ("enable jax_enable_x64 or " if target == np.int32 and dtype is None else "")
+                + "fix the value")
+    return array.astype(target) if array.dtype != target else array
+
+
+def to_int32(x):
+    """An integer array as int32, values outside int32's range clamped to its ends (a wider
+    dtype is never wrapped: an out-of-range page id stays out of range)."""
+    import jax.numpy as jnp
+
+    x = jnp.asarray(x)
+    if x.dtype == jnp.int32:
+        return x
+    info = np.iinfo(np.int32)
+    if jnp.issubdtype(x.dtype, jnp.unsignedinteger) and x.dtype.itemsize >= 4:
+        x = jnp.minimum(x, jnp.asarray(info.max, x.dtype))
+    elif x.dtype.itemsize > 4:
+        x = jnp.clip(x, info.min, info.max)
+    return x.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- global scales
+
+
+def scale_is_valid(s):
+    """Whether global scales (an array) are in the contract's range: a float32 in
+    ``[MIN_SCALE, MAX_SCALE]`` (False for zero, negative, NaN, infinite, subnormal and too
+    large values). jit-compatible."""
+    import jax.numpy as jnp
+
+    s = jnp.asarray(s, jnp.float32)
+    return (s >= jnp.float32(_layout.MIN_SCALE)) & (s <= jnp.float32(_layout.MAX_SCALE))
+
+
+def sanitize_scale(s):
+    """A global scale outside the contract's range becomes NaN (a valid one is returned
+    unchanged, bit for bit).
+
+    This is the contract for a bad k_scale/v_scale, the same on every backend because it is
+    applied before any implementation sees the scale: the store quantises with a NaN scale,
+    which writes the NaN block scale byte (0x7F) and code +-6 (the input's sign) for every
+    stored value, so those rows read back as NaN whatever scale they are read with; the
+    readers return NaN. A bad scale never quietly reads back as zeros."""
+    import jax.numpy as jnp
+
+    return jnp.where(scale_is_valid(s), s, jnp.float32(jnp.nan))
+
+
+def check_scale_values(scales, where):
+    """checked=True: reports global scales outside the contract's range (``scales``: pairs of
+    (argument name, value))."""
+    from jax.experimental import checkify
+    import jax.numpy as jnp
+
+    for name, s in scales:
+        s = jnp.asarray(s, jnp.float32)
+        checkify.check(
+            jnp.all(scale_is_valid(s)),
+            f"{where}: {name} = {{s}} is not a valid global scale, which must be a float32 in "
+            f"[2**-126, 2**116] (not zero, negative, NaN, infinite or subnormal); with it the "
+            f"store writes NaN block scales and the readers return NaN. Calibrate with "
+            f"jax_nvfp4.scale_from_amax(amax), which never returns 0, NaN or Inf.", s=s)
+
+
+# --------------------------------------------------------------------------- checked=True
+
+
+def _make_checkify_marker():
+    """An identity primitive that marks a function as holding ``checked=True`` checks.
+
+    ``jax.experimental.checkify.check`` cannot be lowered unless ``checkify.checkify``
+    functionalises it, and JAX then fails with a message that does not name the function or
+    say what to do. The marker sits before the checks on an operand the result depends on:
+    eagerly and under ``checkify.checkify`` (whose rule for it is the identity) it costs
+    nothing; under a plain ``jax.jit`` its lowering, which comes first, raises the message of
+    :func:`require_checkify`. Uses checkify's table of rules (``jax._src``): where that is
+    missing the marker is skipped and JAX's own message remains."""
+    try:
+        from jax._src import checkify as _checkify_impl
+        from jax.extend.core import Primitive
+        from jax.interpreters import batching, mlir
+
+        rules = _checkify_impl.error_checks
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        return None
+
+    marker = Primitive("nvfp4_needs_checkify")
+    marker.def_impl(lambda x, *, where: x)
+    marker.def_abstract_eval(lambda x, *, where: x)
+
+    def lowering(ctx, x, *, where):
+        raise ValueError(
+            f"{where}(checked=True) under jax.jit (or another staging transformation) needs "
+            f"jax.experimental.checkify.checkify around the function: "
+            f"err, out = jax.jit(checkify.checkify(f))(...), then err.throw() (or err.get()); "
+            f"checkify.checkify(jax.jit(f)) works too but traces f again on every call. "
+            f"Called eagerly, {where}(checked=True) raises by itself.")
+
+    mlir.register_lowering(marker, lowering)
+    batching.primitive_batchers[marker] = lambda args, dims, *, where: (args[0], dims[0])
+    rules[marker] = lambda error, enabled_errors, x, *, where: (error, x)
+    return marker
+
+
+_CHECKIFY_MARKER = _make_checkify_marker()
+
+
+def require_checkify(x, where):
+    """``x`` (an operand the result depends on) passed through the marker of
+    :func:`_make_checkify_marker`: call before the checks of ``checked=True``."""
+    if _CHECKIFY_MARKER is None:  # pragma: no cover
+        return x
+    import jax.numpy as jnp
+
+    return _CHECKIFY_MARKER.bind(jnp.asarray(x), where=where)
 
 
 def as_scale(s):

@@ -28,6 +28,17 @@ LAYOUTS = ("HND", "NHD")
 SCALE_SEARCHES = ("default", "4over6")
 #: Magnitudes of the eight E2M1 codes (bit 3 is the sign).
 E2M1_MAGNITUDES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+#: Largest value a cache holds at a global scale of 1: the largest E2M1 magnitude times the
+#: largest E4M3 block scale (values beyond ``LARGEST_STORED * scale`` are clipped).
+LARGEST_STORED = 6.0 * E4M3_MAX
+#: Valid global scales (k_scale, v_scale) are float32 numbers in [MIN_SCALE, MAX_SCALE].
+#: MIN_SCALE is the smallest normal float32: every implementation flushes float32 subnormals to
+#: zero, so a smaller scale would be a zero scale. At MAX_SCALE the largest stored value,
+#: ``LARGEST_STORED * MAX_SCALE``, is still a finite float32. Zero, negative, NaN, infinite and
+#: subnormal scales are outside the range; the store and the readers turn such a scale into NaN
+#: (see :func:`jax_nvfp4.checks.sanitize_scale`).
+MIN_SCALE = 2.0 ** -126
+MAX_SCALE = 2.0 ** 116
 
 
 #: Names of a per-layer cache's axes, in order, for each layout (docs/format.md §4): the one place
@@ -64,6 +75,13 @@ def check_head_size(head_size: int, v_scale_swizzle: bool, argument: str = "head
             f"multiple of 64 (docs/format.md §4); use v_scale_swizzle=False for this head size")
 
 
+def check_int(value, argument: str) -> int:
+    """A Python or NumPy integer (not a bool, not a float): sizes and counts."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{argument} must be an int, got {value!r}")
+    return int(value)
+
+
 def check_block_size(block_size: int, argument: str = "block_size") -> None:
     if block_size <= 0 or block_size % 4:
         raise ValueError(f"{argument} must be a positive multiple of 4, got {block_size}")
@@ -86,6 +104,9 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_siz
       ``F = head_size // 2 + head_size // 16``.
     """
     check_layout(layout)
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
+        check_int(value, name)
     check_block_size(block_size)
     check_head_size(head_size, v_scale_swizzle=False)
     if num_blocks < 0 or num_kv_heads <= 0:
@@ -107,9 +128,20 @@ class CacheGeometry:
 
     @classmethod
     def from_shape(cls, shape, layout: str, argument: str = "kv_cache") -> "CacheGeometry":
-        """Reads a per-layer cache shape (its last five axes); errors name ``argument``."""
+        """Reads a per-layer cache shape (its last five axes); errors name ``argument``, and
+        the layout the shape fits when it does not fit ``layout``."""
         check_layout(layout)
         shape = tuple(shape)
+        try:
+            return cls._read(shape, layout, argument)
+        except ValueError as error:
+            other = cls.other_reading(shape, layout)
+            if other is None:
+                raise
+            raise ValueError(f"{error}. {other.written_as_hint(argument)}") from None
+
+    @classmethod
+    def _read(cls, shape, layout: str, argument: str) -> "CacheGeometry":
         if len(shape) != 5:
             raise ValueError(
                 f"{argument} must have rank 5 ([num_blocks, 2, ...] per layer), got shape {shape}")
@@ -125,6 +157,25 @@ class CacheGeometry:
         if num_kv_heads <= 0:
             raise ValueError(f"{argument} must have at least one kv head, got shape {shape}")
         return cls(num_blocks, block_size, num_kv_heads, f // 9 * BLOCK_ELEMS, layout)
+
+    @classmethod
+    def other_reading(cls, shape, layout: str) -> "CacheGeometry | None":
+        """The geometry of ``shape`` read in the other layout, or None where it does not fit.
+
+        The bytes of a cache do not record its layout: a shape that fits both readings (e.g.
+        num_kv_heads == block_size) is read as the caller says."""
+        other = LAYOUTS[1 - LAYOUTS.index(layout)]
+        try:
+            return cls._read(tuple(shape), other, "kv_cache")
+        except ValueError:
+            return None
+
+    def written_as_hint(self, argument: str = "kv_cache") -> str:
+        """'this cache has the HND shape for ...; was it written with layout='HND'?'"""
+        return (f"{argument} has the {self.layout} shape for num_kv_heads={self.num_kv_heads}, "
+                f"block_size={self.block_size}, head_size={self.head_size}; was it written with "
+                f"layout={self.layout!r}? (the bytes do not record the layout: pass the one it "
+                f"was written with)")
 
     @property
     def scales_per_head(self) -> int:

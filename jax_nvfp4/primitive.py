@@ -165,6 +165,9 @@ def _batch(args, dims, *, layout, scale_search, v_scale_swizzle):
             return jnp.broadcast_to(x, (size,) + x.shape)
         return jnp.moveaxis(x, d, 0)
 
+    if size == 0:  # an empty batch stores nothing (and per-member shapes cannot be inferred)
+        return leading(kv_cache, dims[2]), 0
+
     key, value, kv_cache = (leading(x, d) for x, d in zip((key, value, kv_cache), dims[:3]))
     num_layers = key.shape[1] if layered else None
     out_shape = kv_cache.shape

@@ -76,7 +76,9 @@ def _block_amax(x):
 
 
 def _block_scale(amax, g, inv_g, recip):
-    sf = g * (amax * recip)
+    # amax * recip on its own: under jit XLA reassociates g * (amax * 1/6) into
+    # (g * 1/6) * amax (recip is a constant), which can round differently.
+    sf = g * _rounded(amax * recip)
     byte = e4m3_encode(sf)
     sfq = e4m3_decode(byte)
     safe = jnp.where(sfq != 0, sfq, jnp.float32(1))
@@ -149,12 +151,15 @@ def quantize_head_vectors(x, scale, scale_search="default"):
 
 def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layout="HND",
                       scale_search="default", v_scale_swizzle=True):
-    """jnp twin of :func:`jax_nvfp4.reshape_and_cache` (same signature, same bytes)."""
+    """jnp twin of :func:`jax_nvfp4.reshape_and_cache` (same signature less ``checked``, same
+    bytes; an invalid global scale becomes NaN here too)."""
+    slot_mapping = checks.host_integers(slot_mapping, "slot_mapping")
     key, value, kv_cache, slot_mapping = map(jnp.asarray, (key, value, kv_cache, slot_mapping))
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                                   layout=layout, scale_search=scale_search,
                                   v_scale_swizzle=v_scale_swizzle)
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
     slots = slot_mapping
     valid = (slots >= 0) & (slots < geo.num_slots)
     # Tokens that must not write go to a block past the end, which the scatter drops.
@@ -194,12 +199,15 @@ def dequantize_pages(pages, geo, k_scale, v_scale, *, v_scale_swizzle=True, dtyp
 
 def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True,
                dtype=jnp.bfloat16):
-    """Reads a whole cache back: (k, v), each [num_blocks, block_size, num_kv_heads, head_size]."""
+    """Reads a whole cache back: (k, v), each [num_blocks, block_size, num_kv_heads, head_size]
+    (an invalid global scale reads NaN)."""
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype)
     kv_cache = jnp.asarray(kv_cache)
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     checks.check_scale(k_scale, "k_scale")
     checks.check_scale(v_scale, "v_scale")
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
     pages = geo.pages(kv_cache)
     return dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=v_scale_swizzle,
                             dtype=dtype)
@@ -231,6 +239,7 @@ def attend(q, k, v, seq_lens, *, sm_scale=None, return_lse=False):
       (``Precision.HIGHEST``); query head ``i`` uses KV head
       ``i // (num_q_heads // num_kv_heads)``.
     """
+    checks.check_options(return_lse=return_lse)
     batch, num_q_heads, head_size = q.shape
     max_len, num_kv_heads = k.shape[1], k.shape[2]
     group = num_q_heads // num_kv_heads
@@ -241,7 +250,7 @@ def attend(q, k, v, seq_lens, *, sm_scale=None, return_lse=False):
 
     hi = jax.lax.Precision.HIGHEST
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, group, head_size)
-    valid = jnp.arange(max_len, dtype=jnp.int32)[None, :] < seq_lens.astype(jnp.int32)[:, None]
+    valid = jnp.arange(max_len, dtype=jnp.int32)[None, :] < checks.to_int32(seq_lens)[:, None]
     # Masked positions may hold garbage (stale rows, other pages, NaN): their scores are
     # replaced below; their values are zeroed so that 0 * NaN never reaches the sum.
     v = jnp.where(valid[:, :, None, None], v.astype(jnp.float32), 0.0)
@@ -271,8 +280,9 @@ def default_sm_scale(head_size: int) -> float:
 def gather_index(block_tables, num_blocks: int):
     """Page ids for a gather: padding entries may hold anything, so they are clamped into range
     (the ``seq_len`` mask hides them). Entries inside ``seq_len`` are clamped the same way: an
-    out-of-range id there reads page 0 or the last page (unchecked, like every jnp gather)."""
-    return jnp.clip(block_tables.astype(jnp.int32), 0, max(num_blocks - 1, 0))
+    out-of-range id there reads page 0 or the last page (``checked=True`` of the readers
+    reports them). int64 ids are clamped, never wrapped, to int32."""
+    return jnp.clip(checks.to_int32(block_tables), 0, max(num_blocks - 1, 0))
 
 
 def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, layout="HND",
@@ -283,8 +293,11 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     arguments first; same arguments and result. Every sequence gathers all
     ``max_blocks_per_seq`` pages of its row of ``block_tables`` (padding entries clamped into
     range), dequantises them to float32 (:func:`dequantize_pages`) and attends with
-    :func:`attend`.
+    :func:`attend`. Options are validated (:func:`jax_nvfp4.checks.check_options`); an
+    invalid global scale gives NaN.
     """
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse)
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape, layout)
     batch = q.shape[0]
     max_blocks = block_tables.shape[1]

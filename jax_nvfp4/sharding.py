@@ -53,6 +53,8 @@ def grouped_kv_cache_shape(num_groups: int, num_blocks: int, block_size: int, nu
     """Shape of a head-grouped cache: ``(num_groups,) + kv_cache_shape(..., num_kv_heads //
     num_groups, ...)``, i.e. ``num_groups`` independent caches of ``num_kv_heads / num_groups``
     heads each (group ``g`` holds heads ``g*H/G .. (g+1)*H/G - 1``)."""
+    _layout.check_int(num_groups, "num_groups")
+    _layout.check_int(num_kv_heads, "num_kv_heads")
     if num_groups <= 0 or num_kv_heads % num_groups:
         raise ValueError(f"num_groups must divide num_kv_heads={num_kv_heads}, got {num_groups}")
     return (num_groups,) + _layout.kv_cache_shape(num_blocks, block_size,
@@ -64,8 +66,9 @@ def split_heads(x, num_groups: int):
 
     Keeps a head-sharded ``x`` on its devices when the mesh axis size divides ``num_groups``.
     """
+    _layout.check_int(num_groups, "num_groups")
     *lead, heads, d = x.shape
-    if heads % num_groups:
+    if num_groups <= 0 or heads % num_groups:
         raise ValueError(f"num_groups={num_groups} must divide the head axis of {x.shape}")
     x = x.reshape(*lead, num_groups, heads // num_groups, d)
     return jnp.moveaxis(x, -3, 0)
@@ -93,6 +96,9 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
       along axis 0 over the same mesh axis (whose size divides G), every device stores its own
       groups in place: no collective, no copy (with the cache donated).
     """
+    checks.check_options(layout=layout, scale_search=scale_search,
+                         v_scale_swizzle=v_scale_swizzle, checked=checked)
+    slot_mapping = checks.host_integers(slot_mapping, "slot_mapping")
     num_groups = kv_cache.shape[0] if kv_cache.ndim == 6 else None
     if num_groups is None:
         raise ValueError(f"kv_cache must be a grouped cache [G, ...] of rank 6 "
@@ -105,7 +111,9 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
     if checked:
         geometry = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
+        slot_mapping = checks.require_checkify(slot_mapping, "reshape_and_cache_grouped")
         api._check_slots(slot_mapping, geometry.num_slots)
+        api._check_store_scales(key, value, k_scale, v_scale, scale_search)
     store = functools.partial(api.reshape_and_cache, layout=layout, scale_search=scale_search,
                               v_scale_swizzle=v_scale_swizzle)
     return jax.vmap(store, in_axes=(0, 0, 0, None, None, None))(
@@ -114,10 +122,19 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
 
 
 def dequantize_grouped(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True,
-                       dtype=jnp.bfloat16):
+                       dtype=jnp.bfloat16, checked=False):
     """Reads a head-grouped cache back: ``(k, v)``, each ``[num_blocks, block_size,
     num_kv_heads, head_size]`` with the groups' heads in order (as :func:`jax_nvfp4.dequantize`
-    for an ungrouped cache)."""
+    for an ungrouped cache, ``checked`` included)."""
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype,
+                         checked=checked)
+    if checked:
+        k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+        checks.check_scale(k_scale, "k_scale")
+        checks.check_scale(v_scale, "v_scale")
+        k_scale = checks.require_checkify(k_scale, "dequantize_grouped")
+        checks.check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)),
+                                  "dequantize_grouped")
     read = functools.partial(api.dequantize, k_scale=k_scale, v_scale=v_scale, layout=layout,
                              v_scale_swizzle=v_scale_swizzle, dtype=dtype)
     k, v = jax.vmap(lambda c: read(c))(kv_cache)  # [G, num_blocks, block_size, H/G, D]
@@ -136,7 +153,9 @@ def layer_slots(slot_mapping, layer, num_blocks: int, block_size: int):
     e.g. a ``lax.scan`` index). Padding (negative) slots and slots ``>= num_blocks *
     block_size`` become -1, so they write nothing and never spill into the next layer's pages.
     """
-    slot_mapping = jnp.asarray(slot_mapping)
+    num_blocks = _layout.check_int(num_blocks, "num_blocks")
+    block_size = _layout.check_int(block_size, "block_size")
+    slot_mapping = jnp.asarray(checks.host_integers(slot_mapping, "slot_mapping"))
     dtype = slot_mapping.dtype
     per_layer = num_blocks * block_size
     shifted = slot_mapping + jnp.asarray(layer, dtype) * jnp.asarray(per_layer, dtype)
@@ -150,7 +169,7 @@ def layer_slots(slot_mapping, layer, num_blocks: int, block_size: int):
 
 def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *,
                             layout="HND", v_scale_swizzle=True, sm_scale=None, return_lse=False,
-                            impl="auto"):
+                            impl="auto", checked=False):
     """:func:`jax_nvfp4.paged_attention` over a head-grouped cache: one call per group.
 
     Group ``g`` of the cache holds kv heads ``g*H/G .. (g+1)*H/G - 1``; query head ``i``
@@ -176,7 +195,8 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
       block_tables, seq_lens: as for ``paged_attention`` (shared by the groups).
       k_scale, v_scale: the float32 scalars the cache was written with (shared by the groups,
         as :func:`reshape_and_cache_grouped` uses them).
-      layout, v_scale_swizzle, sm_scale, return_lse, impl: as for ``paged_attention``.
+      layout, v_scale_swizzle, sm_scale, return_lse, impl, checked: as for
+        ``paged_attention`` (the checks run once, for all groups).
 
     Returns:
       ``[batch, num_q_heads, head_size]`` in q's dtype, heads in order (and the
@@ -185,13 +205,14 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     Raises:
       TypeError, ValueError: at trace time, naming the offending argument.
     """
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse,
+                         impl=impl, checked=checked)
     batch, num_q_heads, head_size = _attention._check_q(q)
     if not hasattr(kv_cache, "dtype"):
         kv_cache = jnp.asarray(kv_cache)
     if kv_cache.ndim != 6:
         raise ValueError(f"kv_cache must be a grouped cache [G, num_blocks, 2, ...] of rank 6 "
                          f"(grouped_kv_cache_shape), got shape {tuple(kv_cache.shape)}")
-    checks.check_flag(v_scale_swizzle, "v_scale_swizzle")
     num_groups = kv_cache.shape[0]
     if num_groups == 0:
         raise ValueError(f"kv_cache has no groups (axis 0 is 0), shape {tuple(kv_cache.shape)}")
@@ -210,8 +231,11 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
     k_scale = _attention._scale(k_scale, "k_scale")
     v_scale = _attention._scale(v_scale, "v_scale")
     sm_scale = _attention._sm_scale(sm_scale, head_size)
-
-    checks.check_flag(return_lse, "return_lse")
+    if checked:
+        block_tables = checks.require_checkify(block_tables, "paged_attention_grouped")
+        _attention.check_reads(block_tables, seq_lens, geo.num_blocks, geo.block_size,
+                               (("k_scale", k_scale), ("v_scale", v_scale)),
+                               "paged_attention_grouped")
 
     def attend_group(q_g, cache_g):
         return _attention.paged_attention(q_g, cache_g, block_tables, seq_lens, k_scale,
