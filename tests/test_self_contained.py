@@ -3,6 +3,7 @@ format document (``docs/format.md §N``) names a section that exists."""
 
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", "build", "__pycache__", ".pytest_cache"}
@@ -14,8 +15,19 @@ OUTSIDE = re.compile("|".join([r"\.\./" + "shared", "NVFP4" + "_SPEC", r"\bspec"
 CITATION = re.compile(r"docs/format\.md\s+((?:§\d+(?:\s*(?:-|,|and)\s*)?)+)")
 
 
+def _candidates():
+    """The files git tracks or would track (ignored ones, e.g. .hypothesis/ or a local scratch
+    folder, are not the repository's); every file below the root where git is not available."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                                cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        return [ROOT / line for line in listed.splitlines() if line]
+    except (OSError, subprocess.CalledProcessError):
+        return list(ROOT.rglob("*"))
+
+
 def repository_files():
-    for path in ROOT.rglob("*"):
+    for path in _candidates():
         parts = set(path.relative_to(ROOT).parts)
         if (path.is_file() and not parts & SKIP_DIRS and not any(p.startswith(".venv")
                                                                  for p in parts)
