@@ -465,12 +465,13 @@ def run(windows_per_file=train_tiny_lm.EVAL_WINDOWS_PER_FILE, decode_sequences=4
         f"trained on Python {meta['python']}); held-out: {len(windows)} windows of "
         f"{windows.shape[1]} bytes from {len(np.unique(owners))} files (Python "
         f"{stdlib_corpus.python_version()}, {split.root})")
-    calib = calibration_windows()
-    stats = calibration_stats(cfg, params, calib)
-    rotated_stats = calibration_stats(cfg, params, calib, rotate=True)
-
     if formats is None:
         formats = MAIN_FORMATS + CALIBRATION_FORMATS[1:] + ROTATION_FORMATS
+    calib = calibration_windows()
+    stats = calibration_stats(cfg, params, calib)
+    rotated_stats = (calibration_stats(cfg, params, calib, rotate=True)
+                     if any("hadamard" in f.round_trip for f in formats) else None)
+
     log("teacher-forced:")
     results = teacher_forced(cfg, params, windows, formats, stats, rotated_stats, log=log)
     summary = summarise(results, owners, positions)

@@ -632,7 +632,8 @@ def report_samples(cfg, r):
         print(f"  [{b}] {path}, prompt ({n} bytes) ends {_show(bytes(r['prompts'][b, :n].astype(np.uint8)), 40)}")
         print(f"      text : {_show(r['continuations'][b])}")
         print(f"      bf16 : {_show(runs['bf16'])}")
-        print(f"      nvfp4: {_show(runs['nvfp4'])}  ({same})")
+        note = ", each byte chosen after the bf16 run's bytes" if cfg.teacher_force else ""
+        print(f"      nvfp4: {_show(runs['nvfp4'])}  ({same}{note})")
 
 
 # --------------------------------------------------------------------------- long-context mode
