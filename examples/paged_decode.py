@@ -1,7 +1,11 @@
 """Greedy decoding of a small transformer with an NVFP4 paged KV cache, against a bf16 one.
 
-A decoder-only model (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP; random seeded weights)
-generates tokens for several prompts of different lengths. A host-side block allocator hands out
+A decoder-only model (examples/tiny_lm.py: RMSNorm, RoPE, grouped-query attention with 8 query /
+2 kv heads of 64, SwiGLU MLP) generates text for several prompts of different lengths. By
+default it is the byte-level model examples/train_tiny_lm.py trained on the Python standard
+library's source (weights in examples/tiny_lm.npz), computing in float32, and the prompts are
+held-out standard-library text it was not trained on; ``--random-weights`` runs random seeded
+bf16 weights of any size on random prompts instead. A host-side block allocator hands out
 pages and builds ``block_tables`` and ``slot_mapping``. Prefill runs dense causal attention over
 the prompts and writes their K/V into the paged cache of each layer; then a decode loop runs one
 step function, compiled once with ``jax.jit``, whose per-layer caches are donated and updated in
@@ -11,8 +15,11 @@ The same model runs twice: with the NVFP4 cache (``jax_nvfp4.reshape_and_cache``
 ``paged_attention``) and with a bf16 paged cache (``.at[slots].set`` + ``paged_attention_bf16``).
 It prints the verdict first: per cache, decode tokens/s, cache bytes per token and how much
 more context fits in the same memory; then how often the NVFP4 run picks the same greedy token
-as the bf16 run from the same history, and how far their logits are apart. ``--verbose`` adds
-the internals (device, scales, compile and donation checks, sample tokens). Progress goes to
+as the bf16 run from the same history, how far their logits are apart (mean KL divergence and
+absolute difference), and (trained model) the text each run generated under the end of each
+prompt. benchmarks/quality_bench.py measures what the caches cost in held-out bits per byte.
+``--verbose`` adds the internals (device, scales, compile and donation checks, sample tokens).
+Progress goes to
 stderr: a bar on a terminal, occasional lines in a log. Runs on JAX's default device (the GPU
 when there is one).
 
@@ -25,6 +32,7 @@ bytes per token and how many more tokens fit in the same memory.
 
     python examples/paged_decode.py
     python examples/paged_decode.py --batch 8 --prompt-lens 5 60 130 --steps 64 --layout NHD
+    python examples/paged_decode.py --random-weights --layers 2 --vocab 1024
     python examples/paged_decode.py --long-context --batch 32 --context 32768 --layers 4
 """
 
@@ -32,6 +40,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import pathlib
 import re
 import sys
 import time
@@ -45,21 +54,29 @@ from jax_nvfp4.attention import paged_attention, paged_attention_bf16
 from jax_nvfp4.attention_primitive import DECODE_TARGET as _DECODE_TARGET
 from jax_nvfp4.attention_primitive import KERNEL_HEAD_SIZES as _KERNEL_HEAD_SIZES
 
+# The model and its data live beside this file (also when it is loaded from elsewhere).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import stdlib_corpus  # noqa: E402
+import tiny_lm  # noqa: E402
+from tiny_lm import init_params, logits_of, mlp_block, prefill, qkv  # noqa: E402,F401
+
 KINDS = ("bf16", "nvfp4")
 
 
 @dataclasses.dataclass
 class Config:
     batch: int = 4
-    prompt_lens: tuple = (7, 16, 29, 50)   # cycled when batch is larger
-    steps: int = 32
-    layers: int = 2
+    prompt_lens: tuple = (64, 96, 128, 160)   # cycled when batch is larger
+    steps: int = 48
+    # The model's sizes: the trained model's (examples/tiny_lm.npz); others need random weights.
+    layers: int = 4
     d_model: int = 256
     num_q_heads: int = 8
     num_kv_heads: int = 2
     head_size: int = 64
-    mlp: int = 512
-    vocab: int = 1024
+    mlp: int = 768
+    vocab: int = 256
+    random_weights: bool = False           # random seeded weights instead of the trained model
     block_size: int = 16
     layout: str = "HND"
     scale_search: str = "default"
@@ -147,86 +164,8 @@ class BlockAllocator:
 # --------------------------------------------------------------------------- model
 
 
-def init_params(cfg: Config):
-    """Random weights (bf16), std 1/sqrt(fan_in); norms start at one."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(cfg.seed), 4 + 7 * cfg.layers))
-
-    def dense(fan_in, fan_out):
-        w = jax.random.normal(next(keys), (fan_in, fan_out), jnp.float32) / math.sqrt(fan_in)
-        return w.astype(jnp.bfloat16)
-
-    d, qd, kd = cfg.d_model, cfg.num_q_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
-    layers = []
-    for _ in range(cfg.layers):
-        layers.append(dict(attn_norm=jnp.ones((d,), jnp.bfloat16), wq=dense(d, qd),
-                           wk=dense(d, kd), wv=dense(d, kd), wo=dense(qd, d),
-                           mlp_norm=jnp.ones((d,), jnp.bfloat16), w_gate=dense(d, cfg.mlp),
-                           w_up=dense(d, cfg.mlp), w_down=dense(cfg.mlp, d)))
-    embed = jax.random.normal(next(keys), (cfg.vocab, d), jnp.float32).astype(jnp.bfloat16)
-    return dict(embed=embed, layers=layers, final_norm=jnp.ones((d,), jnp.bfloat16),
-                lm_head=dense(d, cfg.vocab))
-
-
-def rms_norm(x, w, eps=1e-6):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope(x, positions, theta=10000.0):
-    """Rotary embedding, rotate-half form. x [..., heads, D]; positions broadcast to x[..., 0, 0]."""
-    half = x.shape[-1] // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None, None] * freq        # [..., 1, half]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def qkv(cfg, layer, x, positions):
-    h = rms_norm(x, layer["attn_norm"])
-    lead = x.shape[:-1]
-    q = (h @ layer["wq"]).reshape(*lead, cfg.num_q_heads, cfg.head_size)
-    k = (h @ layer["wk"]).reshape(*lead, cfg.num_kv_heads, cfg.head_size)
-    v = (h @ layer["wv"]).reshape(*lead, cfg.num_kv_heads, cfg.head_size)
-    return rope(q, positions), rope(k, positions), v
-
-
-def mlp_block(layer, x):
-    h = rms_norm(x, layer["mlp_norm"])
-    return (jax.nn.silu(h @ layer["w_gate"]) * (h @ layer["w_up"])) @ layer["w_down"]
-
-
-def logits_of(params, x):
-    return (rms_norm(x, params["final_norm"]) @ params["lm_head"]).astype(jnp.float32)
-
-
-def prefill(cfg, params, tokens, lens):
-    """Dense causal attention over padded prompts [B, L].
-
-    Returns the last prompt token's logits [B, vocab] and, per layer, K and V [B, L, Hkv, D]
-    (K after RoPE: what the cache holds).
-    """
-    batch, length = tokens.shape
-    group = cfg.num_q_heads // cfg.num_kv_heads
-    positions = jnp.broadcast_to(jnp.arange(length), (batch, length))
-    pos = jnp.arange(length)
-    mask = (pos[None, :] <= pos[:, None])[None] & (pos[None, None, :] < lens[:, None, None])
-    x = params["embed"][tokens]
-    ks, vs = [], []
-    for layer in params["layers"]:
-        q, k, v = qkv(cfg, layer, x, positions)
-        ks.append(k)
-        vs.append(v)
-        qg = q.reshape(batch, length, cfg.num_kv_heads, group, cfg.head_size)
-        s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-        s = jnp.where(mask[:, None, None], s / math.sqrt(cfg.head_size), -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("bhgqk,bkhd->bqhgd", p.astype(v.dtype), v)
-        x = x + o.reshape(batch, length, -1) @ layer["wo"]
-        x = x + mlp_block(layer, x)
-    last = x[jnp.arange(batch), lens - 1]
-    return logits_of(params, last), ks, vs
+# The model (params, RoPE, grouped-query attention, MLP, dense prefill) lives in tiny_lm.py,
+# shared with the training script and benchmarks/quality_bench.py; the paged cache is here.
 
 
 def calibrate(ks, vs, lens):
@@ -251,6 +190,10 @@ def store_bf16(key, value, cache, slot_mapping):
 
 def store(cfg, kind, key, value, cache, slot_mapping, scales):
     if kind == "nvfp4":
+        # The store takes bf16/fp16: a float32 model's K/V go in as bf16 (what the bf16 cache
+        # holds too), so the two caches start from the same values.
+        key, value = (x.astype(jnp.bfloat16) if x.dtype == jnp.float32 else x
+                      for x in (key, value))
         return jax_nvfp4.reshape_and_cache(key, value, cache, slot_mapping, *scales,
                                            layout=cfg.layout, scale_search=cfg.scale_search)
     return store_bf16(key, value, cache, slot_mapping)
@@ -464,12 +407,15 @@ def run(cfg: Config) -> dict:
     jax_nvfp4.layout.check_layout(cfg.layout)
     jax_nvfp4.layout.check_scale_search(cfg.scale_search)
     prompt_lens = _prompt_lens(cfg)
-    rng = np.random.default_rng(cfg.seed)
-    length = max(prompt_lens)
-    prompts = np.zeros((cfg.batch, length), np.int32)
-    for b, n in enumerate(prompt_lens):
-        prompts[b, :n] = rng.integers(0, cfg.vocab, n)
-    params = init_params(cfg)
+    params, model_note = load_model(cfg)
+    if cfg.random_weights:
+        rng = np.random.default_rng(cfg.seed)
+        prompts = np.zeros((cfg.batch, max(prompt_lens)), np.int32)
+        for b, n in enumerate(prompt_lens):
+            prompts[b, :n] = rng.integers(0, cfg.vocab, n)
+        sources, truths = None, None
+    else:
+        prompts, sources, truths = text_prompts(prompt_lens, cfg.steps + 1)
 
     lens = jnp.asarray(prompt_lens, jnp.int32)
     stage(cfg, f"prefill: dense attention over {cfg.batch} prompts (compiling and running)")
@@ -501,6 +447,7 @@ def run(cfg: Config) -> dict:
         first_divergence = np.where(same.all(1), cfg.steps, np.argmin(same, axis=1))
         comparable = np.arange(cfg.steps)[None, :] <= first_divergence[:, None]
     diff = np.abs(a["logits"] - b["logits"])[comparable]
+    kl = _kl(b["logits"][comparable], a["logits"][comparable])   # KL(bf16 run || NVFP4 run)
     top2 = np.sort(b["logits"][comparable], axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]          # how close the bf16 run's greedy choices were
     results = dict(
@@ -518,6 +465,10 @@ def run(cfg: Config) -> dict:
         logits_max_abs_diff=float(diff.max()),
         logits_mean_abs_diff=float(diff.mean()),
         logits_mean_abs=float(np.abs(b["logits"]).mean()),
+        logits_kl_mean=float(kl.mean()),
+        model=model_note,
+        prompt_sources=sources,
+        continuations=truths,            # the held-out text that follows each prompt
         logits_compared_steps=int(comparable.sum()),
         bf16_top2_margin_median=float(np.median(margin)),
         tokens_per_s={k: r["tokens_per_s"] for k, r in runs.items()},
@@ -538,6 +489,58 @@ def run(cfg: Config) -> dict:
     if cfg.report:
         report(cfg, results)
     return results
+
+
+def load_model(cfg):
+    """``(params, description)``: the trained model (float32, from examples/tiny_lm.npz) or,
+    with ``cfg.random_weights``, random seeded bf16 weights of ``cfg``'s sizes."""
+    if cfg.random_weights:
+        return init_params(cfg), "random weights"
+    shape, params, meta = tiny_lm.load_weights()
+    if shape != tiny_lm.model_config(cfg):
+        raise ValueError(f"the trained model has the sizes {shape}; other sizes need "
+                         f"--random-weights")
+    return params, (f"trained byte-level model, {tiny_lm.num_params(params) / 1e6:.1f}M "
+                    f"parameters, {meta['heldout_bits_per_byte']:.3f} bits/byte on held-out "
+                    f"text")
+
+
+def text_prompts(prompt_lens, continuation):
+    """Prompts of held-out standard-library text (examples/stdlib_corpus.py), one file each,
+    spread over the held-out files, each starting at the first line start a third of the way
+    into its file. Returns ``(prompts [B, max len] int32, file paths, the ``continuation``
+    bytes that follow each prompt)``."""
+    split = stdlib_corpus.load_split(heldout=True)
+    need = max(prompt_lens) + continuation
+    starts = {}
+    for i, text in enumerate(split.texts):
+        start = text.find(b"\n", len(text) // 3) + 1
+        if start > 0 and start + need <= len(text):
+            starts[i] = start
+    files = list(starts)
+    picks = [files[j] for j in np.linspace(0, len(files) - 1, len(prompt_lens)).astype(int)]
+    prompts = np.zeros((len(prompt_lens), max(prompt_lens)), np.int32)
+    truths = []
+    for b, (i, n) in enumerate(zip(picks, prompt_lens)):
+        text = np.frombuffer(split.texts[i], np.uint8)[starts[i]:]
+        prompts[b, :n] = text[:n]
+        truths.append(bytes(text[n:n + continuation]))
+    return prompts, [split.paths[i] for i in picks], truths
+
+
+def _kl(p_logits, q_logits):
+    """KL(p || q) in nats of the softmaxes of two logit arrays [..., vocab], per row."""
+    lp = p_logits - np.logaddexp.reduce(p_logits, axis=-1, keepdims=True)
+    lq = q_logits - np.logaddexp.reduce(q_logits, axis=-1, keepdims=True)
+    return np.sum(np.exp(lp) * (lp - lq), axis=-1)
+
+
+def _show(data: bytes, width=None) -> str:
+    """Bytes as one printable line: UTF-8 (undecodable bytes replaced), escapes visible."""
+    text = data.decode("utf-8", errors="replace")
+    if width is not None and len(text) > width:
+        text = "..." + text[-width:]
+    return repr(text)
 
 
 def _platform():
@@ -565,7 +568,7 @@ def report(cfg, r):
     ratio = bpt["bf16"] / bpt["nvfp4"]
     print(f"NVFP4 vs bf16 paged KV cache: {cfg.layers} layers, {cfg.num_kv_heads} kv heads x "
           f"{cfg.head_size}, batch {cfg.batch}, {cfg.steps} decode steps on "
-          f"{_platform()}")
+          f"{_platform()} ({r['model']})")
     print(f"  nvfp4: {tps['nvfp4']:8,.1f} tokens/s, {bpt['nvfp4']:6,} B of cache per token "
           f"-> {ratio:.2f}x the context of bf16 in the same memory")
     print(f"  bf16 : {tps['bf16']:8,.1f} tokens/s, {bpt['bf16']:6,} B of cache per token")
@@ -573,22 +576,32 @@ def report(cfg, r):
     forced = cfg.teacher_force
     print(f"agreement: {100 * r['step_agreement']:.1f}% of greedy next tokens match the bf16 "
           f"run given the same history ({r['logits_compared_steps']} sequence-steps); "
+          f"KL(bf16 || NVFP4) mean {r['logits_kl_mean']:.2g} nats; "
           f"logits |NVFP4 - bf16| mean {r['logits_mean_abs_diff']:.4f}, max "
           f"{r['logits_max_abs_diff']:.4f} (mean |logit| {r['logits_mean_abs']:.3f})")
     if forced:
         print("  (teacher-forced: the NVFP4 run was fed the bf16 run's tokens, so every step "
               "compares choices made from identical inputs)")
-    else:
+    elif cfg.random_weights:
         print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}%, lower "
               f"because random weights give near-ties (median bf16 top-1 - top-2 margin "
               f"{r['bf16_top2_margin_median']:.3f}), and once one token differs every later "
               f"input of that sequence differs too")
+    else:
+        firsts = [f for f in r["first_divergence"] if f < cfg.steps]
+        where = (f"sequences first differ at step {', '.join(map(str, sorted(firsts)))} of "
+                 f"{cfg.steps}" if firsts else f"no sequence differs in {cfg.steps} steps")
+        print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}% ({where}; "
+              f"after a first difference every later input of that sequence differs too); "
+              f"benchmarks/quality_bench.py measures the cost in bits per byte")
+    if r["prompt_sources"] is not None:
+        report_samples(cfg, r)
     if not cfg.verbose:
         return
     print(f"device: {r['device']}")
     print(f"model: {cfg.layers} layers, d_model {cfg.d_model}, {cfg.num_q_heads} q heads / "
           f"{cfg.num_kv_heads} kv heads x {cfg.head_size}, mlp {cfg.mlp}, vocab {cfg.vocab} "
-          f"(random weights)")
+          f"({r['model']})")
     print(f"batch {cfg.batch}, prompt lengths {r['prompt_lens']}, {cfg.steps} decode steps, "
           f"block_size {cfg.block_size}, {r['num_blocks']} pages, layout {cfg.layout}, "
           f"scale_search {cfg.scale_search}")
@@ -605,6 +618,22 @@ def report(cfg, r):
         print(f"  seq {b} bf16 : {r['tokens_bf16'][b, :12].tolist()}")
         print(f"  seq {b} nvfp4: {r['tokens_nvfp4'][b, :12].tolist()}")
     print(f"wall time {r['wall_s']:.1f} s")
+
+
+def report_samples(cfg, r):
+    """The generated text of both runs under the end of each prompt."""
+    print(f"generated text (greedy, {cfg.steps + 1} bytes after a prompt of held-out text the "
+          f"model was not trained on):")
+    for b, path in enumerate(r["prompt_sources"]):
+        n = r["prompt_lens"][b]
+        runs = {k: bytes(r[f"tokens_{k}"][b].astype(np.uint8)) for k in KINDS}
+        same = "same" if runs["nvfp4"] == runs["bf16"] else (
+            f"same first {r['first_divergence'][b] + 1} bytes")
+        print(f"  [{b}] {path}, prompt ({n} bytes) ends {_show(bytes(r['prompts'][b, :n].astype(np.uint8)), 40)}")
+        print(f"      text : {_show(r['continuations'][b])}")
+        print(f"      bf16 : {_show(runs['bf16'])}")
+        note = ", each byte chosen after the bf16 run's bytes" if cfg.teacher_force else ""
+        print(f"      nvfp4: {_show(runs['nvfp4'])}  ({same}{note})")
 
 
 # --------------------------------------------------------------------------- long-context mode
@@ -982,6 +1011,9 @@ def parse_args(argv=None) -> Config:
                    help="feed the NVFP4 run the bf16 run's tokens (compare every step)")
     p.add_argument("--seed", type=int, default=d.seed,
                    help=f"seed of the weights, prompts and page allocation (default {d.seed})")
+    p.add_argument("--random-weights", action="store_true",
+                   help="random seeded weights (and random prompts) instead of the trained "
+                        "model and held-out text; the model size options need this")
     p.add_argument("--no-progress", action="store_true",
                    help="no stage lines or progress bars on stderr")
     p.add_argument("--verbose", action="store_true",
@@ -1002,11 +1034,19 @@ def parse_args(argv=None) -> Config:
                    help="also time the NVFP4 cache with paged_attention(impl='jnp') (the XLA "
                         "reader): on a GPU, what the fused kernel buys on the same cache")
     a = p.parse_args(argv)
+    # The trained model has one shape; --long-context always uses random weights.
+    random_weights = a.random_weights or a.long_context
+    model_sizes = [f for f in ("layers", "d_model", "num_q_heads", "num_kv_heads", "head_size",
+                               "mlp", "vocab") if getattr(a, f) is not None]
+    if model_sizes and not random_weights:
+        p.error(f"--{model_sizes[0].replace('_', '-')} sets the size of a random-weight model: "
+                f"add --random-weights (the trained model's sizes are fixed)")
     defaults = dict(dataclasses.asdict(d), **(LONG_CONTEXT_DEFAULTS if a.long_context else {}))
     size = {k: getattr(a, k) if getattr(a, k) is not None else defaults[k]
             for k in ("batch", "steps", "layers", "d_model", "num_q_heads", "num_kv_heads",
                       "head_size", "mlp", "vocab", "block_size", "context")}
     cfg = Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
+                 random_weights=random_weights,
                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
                  teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
                  verbose=a.verbose,
