@@ -22,22 +22,23 @@ def example():
     return module
 
 
+# Model sizes only apply to the random-weight model (the trained model's sizes are fixed).
 @pytest.mark.parametrize("argv, words", [
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--batch", "0"], "--batch must be >= 1, got 0"),
     (["--batch", "-3"], "--batch must be >= 1, got -3"),
-    (["--layers", "0"], "--layers must be >= 1"),
-    (["--vocab", "0"], "--vocab must be >= 1"),
+    (["--random-weights", "--layers", "0"], "--layers must be >= 1"),
+    (["--random-weights", "--vocab", "0"], "--vocab must be >= 1"),
     (["--block-size", "0"], "--block-size must be a positive multiple of 4 (the NVFP4 page "
                             "layout), got 0"),
     (["--block-size", "6"], "--block-size must be a positive multiple of 4 (the NVFP4 page "
                             "layout), got 6"),
-    (["--num-q-heads", "6", "--num-kv-heads", "4"],
+    (["--random-weights", "--num-q-heads", "6", "--num-kv-heads", "4"],
      "--num-q-heads (6) must be a multiple of --num-kv-heads (4)"),
-    (["--num-kv-heads", "0"], "--num-kv-heads must be >= 1"),
-    (["--head-size", "80"], "--head-size must be a positive multiple of 64, got 80"),
-    (["--head-size", "96"], "v_scale_swizzle=False"),
-    (["--head-size", "0"], "--head-size must be a positive multiple of 64, got 0"),
+    (["--random-weights", "--num-kv-heads", "0"], "--num-kv-heads must be >= 1"),
+    (["--random-weights", "--head-size", "80"], "--head-size must be a positive multiple of 64, got 80"),
+    (["--random-weights", "--head-size", "96"], "v_scale_swizzle=False"),
+    (["--random-weights", "--head-size", "0"], "--head-size must be a positive multiple of 64, got 0"),
     (["--prompt-lens", "3", "0"], "--prompt-lens must all be >= 1"),
     (["--extra-blocks", "-1"], "--extra-blocks must be >= 0"),
     (["--long-context", "--warmup", "0"], "--warmup must be >= 1"),
@@ -55,8 +56,8 @@ def test_bad_options_are_refused_by_name(example, capsys, argv, words):
 
 def test_good_options_pass(example):
     assert example.config_problems(example.Config()) == []
-    cfg = example.parse_args(["--head-size", "128", "--block-size", "4", "--num-q-heads", "12",
-                              "--num-kv-heads", "3", "--extra-blocks", "0"])
+    cfg = example.parse_args(["--random-weights", "--head-size", "128", "--block-size", "4",
+                              "--num-q-heads", "12", "--num-kv-heads", "3", "--extra-blocks", "0"])
     assert (cfg.head_size, cfg.block_size, cfg.num_q_heads, cfg.num_kv_heads) == (128, 4, 12, 3)
     assert example.parse_args(["--long-context"]).warmup == 2
 
@@ -71,9 +72,9 @@ def test_help_describes_every_option_with_its_default():
                    "--num-q-heads", "--num-kv-heads", "--head-size", "--mlp", "--vocab",
                    "--block-size", "--layout", "--scale-search", "--extra-blocks",
                    "--teacher-force", "--seed", "--no-progress", "--long-context", "--context",
-                   "--repeats", "--warmup", "--nvfp4-jnp"):
+                   "--repeats", "--warmup", "--nvfp4-jnp", "--random-weights", "--verbose"):
         assert option in options, option
-    for default in ("(default 4 (32 with --long-context))", "(default 7 16 29 50)",
+    for default in ("(default 4 (32 with --long-context))", "(default 64 96 128 160)",
                     "(default 16)", "(default 'HND')", "(default 'default')", "(default 8)",
                     "(default 0)", "(default 32768)", "(default 5)", "(default 2)"):
         assert default in flat, default
