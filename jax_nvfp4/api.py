@@ -227,10 +227,6 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype,
                          checked=checked)
     if checked:
-        k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
-        checks.check_scale(k_scale, "k_scale")
-        checks.check_scale(v_scale, "v_scale")
-        k_scale = checks.require_checkify(k_scale, "dequantize")
-        checks.check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)), "dequantize")
+        k_scale, v_scale = checks.checked_dequantize_scales(k_scale, v_scale, "dequantize")
     return _reference.dequantize(kv_cache, k_scale, v_scale, layout=layout,
                                  v_scale_swizzle=v_scale_swizzle, dtype=dtype)

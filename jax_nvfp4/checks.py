@@ -293,6 +293,17 @@ def require_checkify(x, where):
     return _CHECKIFY_MARKER.bind(jnp.asarray(x), where=where)
 
 
+def checked_dequantize_scales(k_scale, v_scale, where):
+    """checked=True of the whole-cache readers: the scales' dtype and shape (trace time) and
+    their values (checkify); returns the scales to read with."""
+    k_scale, v_scale = as_scale(k_scale), as_scale(v_scale)
+    check_scale(k_scale, "k_scale")
+    check_scale(v_scale, "v_scale")
+    k_scale = require_checkify(k_scale, where)
+    check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)), where)
+    return k_scale, v_scale
+
+
 def as_scale(s):
     """A Python number becomes a float32 scalar; arrays are left for check_scale as they are."""
     import jax.numpy as jnp

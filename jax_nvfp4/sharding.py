@@ -129,12 +129,8 @@ def dequantize_grouped(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swiz
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype,
                          checked=checked)
     if checked:
-        k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
-        checks.check_scale(k_scale, "k_scale")
-        checks.check_scale(v_scale, "v_scale")
-        k_scale = checks.require_checkify(k_scale, "dequantize_grouped")
-        checks.check_scale_values((("k_scale", k_scale), ("v_scale", v_scale)),
-                                  "dequantize_grouped")
+        k_scale, v_scale = checks.checked_dequantize_scales(k_scale, v_scale,
+                                                            "dequantize_grouped")
     read = functools.partial(api.dequantize, k_scale=k_scale, v_scale=v_scale, layout=layout,
                              v_scale_swizzle=v_scale_swizzle, dtype=dtype)
     k, v = jax.vmap(lambda c: read(c))(kv_cache)  # [G, num_blocks, block_size, H/G, D]
