@@ -452,7 +452,8 @@ def run(cfg: Config) -> dict:
     margin = top2[:, 1] - top2[:, 0]          # how close the bf16 run's greedy choices were
     results = dict(
         config=dataclasses.asdict(cfg),
-        device=str(jax.devices()[0]),
+        device=str(_default_device()),
+        platform=_default_device().platform,
         prompt_lens=prompt_lens,
         prompts=prompts,
         tokens_nvfp4=a["tokens"], tokens_bf16=b["tokens"],     # [B, steps + 1]
@@ -543,8 +544,10 @@ def _show(data: bytes, width=None) -> str:
     return repr(text)
 
 
-def _platform():
-    return jax.devices()[0].platform
+def _default_device():
+    """Where this run's arrays are placed: ``jax.default_device`` when one is set (the tests
+    set the CPU), else JAX's first device."""
+    return next(iter(jnp.zeros(()).devices()))
 
 
 def _reader_note(platform):
@@ -568,11 +571,11 @@ def report(cfg, r):
     ratio = bpt["bf16"] / bpt["nvfp4"]
     print(f"NVFP4 vs bf16 paged KV cache: {cfg.layers} layers, {cfg.num_kv_heads} kv heads x "
           f"{cfg.head_size}, batch {cfg.batch}, {cfg.steps} decode steps on "
-          f"{_platform()} ({r['model']})")
+          f"{r['platform']} ({r['model']})")
     print(f"  nvfp4: {tps['nvfp4']:8,.1f} tokens/s, {bpt['nvfp4']:6,} B of cache per token "
           f"-> {ratio:.2f}x the context of bf16 in the same memory")
     print(f"  bf16 : {tps['bf16']:8,.1f} tokens/s, {bpt['bf16']:6,} B of cache per token")
-    print(_reader_note(_platform()))
+    print(_reader_note(r["platform"]))
     forced = cfg.teacher_force
     print(f"agreement: {100 * r['step_agreement']:.1f}% of greedy next tokens match the bf16 "
           f"run given the same history ({r['logits_compared_steps']} sequence-steps); "

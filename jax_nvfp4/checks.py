@@ -276,7 +276,9 @@ def _make_checkify_marker():
 
     mlir.register_lowering(marker, lowering)
     batching.primitive_batchers[marker] = lambda args, dims, *, where: (args[0], dims[0])
-    rules[marker] = lambda error, enabled_errors, x, *, where: (error, x)
+    # The rule's arguments are (error, enabled_errors, x) up to JAX 0.10 and
+    # (ctx, error, enabled_errors, x) from 0.11: take them from the end.
+    rules[marker] = lambda *args, where: (args[-3], args[-1])
     return marker
 
 
