@@ -482,6 +482,21 @@ def test_checked_under_plain_jit_says_what_to_do(name):
     assert err.get() is None
 
 
+def test_checkify_marker_rule_takes_both_argument_conventions():
+    """checkify calls a rule as (error, enabled_errors, x) up to JAX 0.10 and as (ctx, error,
+    enabled_errors, x) from 0.11 (found on jax 0.11.2): the marker's rule serves both, whichever
+    JAX runs the suite."""
+    from jax._src import checkify as checkify_impl
+
+    from jax_nvfp4 import checks
+
+    rule = checkify_impl.error_checks[checks._CHECKIFY_MARKER]
+    error, x = object(), jnp.arange(3)
+    for args in [(error, frozenset(), x), (object(), error, frozenset(), x)]:
+        out_error, out = rule(*args, where="f")
+        assert out_error is error and out is x
+
+
 @pytest.mark.gpu
 def test_gpu_vmap_over_an_empty_batch():
     gpu = jax.devices("gpu")[0]

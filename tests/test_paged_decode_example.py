@@ -61,7 +61,10 @@ def example():
 
 @pytest.fixture(scope="module")
 def results(example):
-    return example.main(TINY + ["--teacher-force"])
+    # On the CPU also where a GPU is visible (a module fixture runs before conftest's per-test
+    # CPU default): the bounds below are the CPU's.
+    with jax.default_device(jax.devices("cpu")[0]):
+        return example.main(TINY + ["--teacher-force"])
 
 
 def test_step_compiled_once(results):

@@ -7,6 +7,7 @@ import importlib.util
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -124,11 +125,16 @@ def test_shipped_weights():
 
 @pytest.fixture(scope="module")
 def reduced_quality():
+    """On the CPU, also where a GPU is visible: the bounds are the CPU's (a module-scoped
+    fixture runs before conftest's per-test CPU default, so it says so itself). On a GPU the
+    fused kernel rounds q and P to fp16 and its decode path differs more from the teacher-
+    forced one: benchmarks/RESULTS.md has the H200's figures."""
     bench = _load_bench()
     formats = tuple(f for f in bench.MAIN_FORMATS if f.round_trip in ("float32", "bf16", "nvfp4"))
-    return bench.run(windows_per_file=1, file_stride=8, decode_sequences=1, decode_length=65,
-                     formats=formats, decode_labels=("bf16", "NVFP4 default"),
-                     log=lambda *a: None)
+    with jax.default_device(jax.devices("cpu")[0]):
+        return bench.run(windows_per_file=1, file_stride=8, decode_sequences=1,
+                         decode_length=65, formats=formats,
+                         decode_labels=("bf16", "NVFP4 default"), log=lambda *a: None)
 
 
 def test_nvfp4_loss_within_measured_bound_of_bf16(reduced_quality):
