@@ -63,19 +63,22 @@ from tiny_lm import init_params, logits_of, mlp_block, prefill, qkv  # noqa: E40
 KINDS = ("bf16", "nvfp4")
 
 
+_TRAINED = tiny_lm.ModelConfig()
+
+
 @dataclasses.dataclass
 class Config:
     batch: int = 4
     prompt_lens: tuple = (64, 96, 128, 160)   # cycled when batch is larger
     steps: int = 48
     # The model's sizes: the trained model's (examples/tiny_lm.npz); others need random weights.
-    layers: int = 4
-    d_model: int = 256
-    num_q_heads: int = 8
-    num_kv_heads: int = 2
-    head_size: int = 64
-    mlp: int = 768
-    vocab: int = 256
+    layers: int = _TRAINED.layers
+    d_model: int = _TRAINED.d_model
+    num_q_heads: int = _TRAINED.num_q_heads
+    num_kv_heads: int = _TRAINED.num_kv_heads
+    head_size: int = _TRAINED.head_size
+    mlp: int = _TRAINED.mlp
+    vocab: int = _TRAINED.vocab
     random_weights: bool = False           # random seeded weights instead of the trained model
     block_size: int = 16
     layout: str = "HND"
