@@ -2,24 +2,19 @@
 message naming the option (argparse's usage error, exit status 2), before anything runs;
 ``--help`` says what every option does and shows its default."""
 
-import importlib.util
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
+from scripts import ROOT, load_script
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "paged_decode.py"
+EXAMPLE = ROOT / "examples" / "paged_decode.py"
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("paged_decode_cli", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/paged_decode.py", "paged_decode_cli")
 
 
 # Model sizes only apply to the random-weight model (the trained model's sizes are fixed).

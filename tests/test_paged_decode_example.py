@@ -1,11 +1,8 @@
 """examples/paged_decode.py at a tiny size: compiled once, caches donated, close to the bf16 run."""
 
-import importlib.util
 import io
 import math
-import pathlib
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +10,9 @@ import numpy as np
 import pytest
 
 import hlo_checks as hc
+from scripts import load_script
 import jax_nvfp4
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "paged_decode.py"
 
 # Random weights: 2 layers, GQA 4 (8 q heads, 2 kv heads of 64), block_size 8; prompts of length 3,
 # block_size - 1, block_size and several pages; 16 decode steps, so sequences cross page boundaries
@@ -46,17 +43,9 @@ MAX_MEAN_DENSE_DIFF = 0.015
 MAX_MAX_DENSE_DIFF = 0.1
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("paged_decode_example", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example():
-    return _load()
+    return load_script("examples/paged_decode.py", "paged_decode_example")
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,13 @@ the shipped weights, and a reduced run of benchmarks/quality_bench.py that holds
 held-out loss to a measured bound above bf16's."""
 
 import dataclasses
-import importlib.util
-import pathlib
 import sys
 
 import jax
 import numpy as np
 import pytest
+from scripts import ROOT, load_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
 import stdlib_corpus  # noqa: E402
@@ -31,15 +29,6 @@ MAX_NVFP4_MINUS_BF16 = 0.03
 MAX_REDUCED_FLOAT32_BITS_PER_BYTE = 2.9
 # The shipped weights' held-out score as recorded in the file: 2.2113 bits/byte.
 MAX_SHIPPED_BITS_PER_BYTE = 2.25
-
-
-def _load_bench():
-    path = ROOT / "benchmarks" / "quality_bench.py"
-    spec = importlib.util.spec_from_file_location("quality_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # --------------------------------------------------------------------------- data
@@ -129,7 +118,7 @@ def reduced_quality():
     fixture runs before conftest's per-test CPU default, so it says so itself). On a GPU the
     fused kernel rounds q and P to fp16 and its decode path differs more from the teacher-
     forced one: benchmarks/RESULTS.md has the H200's figures."""
-    bench = _load_bench()
+    bench = load_script("benchmarks/quality_bench.py", "quality_bench")
     formats = tuple(f for f in bench.MAIN_FORMATS if f.round_trip in ("float32", "bf16", "nvfp4"))
     with jax.default_device(jax.devices("cpu")[0]):
         return bench.run(windows_per_file=1, file_stride=8, decode_sequences=1,
