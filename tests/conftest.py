@@ -1,6 +1,7 @@
 """Test setup: 8 virtual CPU devices (for the sharding tests; set before JAX starts a backend),
-CPU as the default device for every test not marked ``gpu``, and the ``gpu`` marker, which
-skips where no GPU is visible."""
+CPU as the default device of the session (module-scoped fixtures included) and the GPU as the
+default inside tests marked ``gpu``, and the ``gpu`` marker, which skips where no GPU is
+visible."""
 
 import os
 
@@ -36,6 +37,9 @@ def gpu_devices():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU; skipped where none is visible")
+    # For the whole session, before any fixture: a per-test default would come after the
+    # module-scoped fixtures, which then ran on the GPU where one was visible.
+    jax.config.update("jax_default_device", jax.devices("cpu")[0])
 
 
 def pytest_collection_modifyitems(config, items):
@@ -48,10 +52,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _default_cpu(request):
-    """Tests run on the CPU backend unless marked gpu, also on a machine with a GPU."""
-    if "gpu" in request.keywords:
-        yield
-        return
-    with jax.default_device(jax.devices("cpu")[0]):
+def _default_device(request):
+    """Tests marked gpu run with the GPU as the default device; the others keep the CPU."""
+    if "gpu" in request.keywords and gpu_devices():
+        with jax.default_device(gpu_devices()[0]):
+            yield
+    else:
         yield
