@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 
 import jax_nvfp4  # noqa: E402
 from jax_nvfp4 import layout as nv_layout  # noqa: E402
+from jax_nvfp4.attention_primitive import DECODE_TARGET  # noqa: E402  (the CUDA kernel's FFI target)
 
 import store_bench  # noqa: E402  (this folder: the ceiling and the program timer)
 
@@ -73,7 +74,6 @@ NUM_Q_HEADS = 32
 HEAD_SIZE = 128
 K_SCALE = V_SCALE = 3.0 / 448.0
 SCALE_BYTE_RANGE = (0x30, 0x58)  # finite E4M3 (0.5 .. 16); 0x7F / 0xFF would be NaN
-DECODE_TARGET = "jax_nvfp4_paged_attention"  # the FFI target of the CUDA kernel
 
 FULL_POINTS = [(1, 131072), (8, 32768), (32, 8192), (32, 32768), (128, 1024), (128, 4096)]
 FULL_RAGGED = (32, 32768)  # sequences, longest possible length

@@ -51,8 +51,6 @@ NB_MODULE(_ffi, m) {
 #if defined(JAX_NVFP4_WITH_CUDA)
   m.def("_e2m1_code_mismatches_cuda", &nvfp4::E2m1CodeMismatchesCuda,
         "The self-check above on the current GPU (-1 if CUDA failed).");
-#endif
-#if defined(JAX_NVFP4_WITH_CUDA)
   m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
 #endif

@@ -38,7 +38,8 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 // CTAs per SM for head sizes 64 and 128 (measured on an H200, 2026-11-30: 3 CTAs, 168
-// registers, 442 us at batch 32 x 32768; 4 CTAs spill at 128 registers and take 660 us).
+// registers, 442 us at batch 32 x 32768; 4 CTAs spill at 128 registers and take 660 us). To
+// measure another value: -DNVFP4_DECODE_MIN_CTAS=N in CMAKE_CUDA_FLAGS.
 #ifndef NVFP4_DECODE_MIN_CTAS
 #define NVFP4_DECODE_MIN_CTAS 3
 #endif
@@ -762,11 +763,20 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
   if (d == 0) p.lse[row] = (offset + __log2f(sum)) * kLn2;
 }
 
+// Tiles of kHeadsPerCta query heads per kv head; a CTA (per split) for each (member, sequence,
+// kv head, tile).
+int HeadTiles(const DecodeProblem& p) {
+  const int group = p.num_q_heads / int(p.page.num_kv_heads);
+  return (group + kHeadsPerCta - 1) / kHeadsPerCta;
+}
+int64_t CtasPerSplit(const DecodeProblem& p) {
+  return int64_t(p.stacked) * p.batch * p.page.num_kv_heads * HeadTiles(p);
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
-  const int group = p.num_q_heads / int(p.page.num_kv_heads);
-  const int head_tiles = (group + kHeadsPerCta - 1) / kHeadsPerCta;
-  const int64_t units = int64_t(p.stacked) * p.batch * p.page.num_kv_heads * head_tiles;
+  const int head_tiles = HeadTiles(p);
+  const int64_t units = CtasPerSplit(p);
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                   FastDivmod(uint32_t(p.batch)), FastDivmod(uint32_t(p.page.block_size))};
   DecodeKernel<kHead, kSwizzle, kLayout>
@@ -806,10 +816,7 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   if (int64_t(p.stacked) * p.batch * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return DecodeArgumentError("kv_cache has no pages but block_tables has columns");
-  const int64_t group = p.num_q_heads / p.page.num_kv_heads;
-  if (int64_t(p.stacked) * p.batch * p.page.num_kv_heads * ((group + kHeadsPerCta - 1) / kHeadsPerCta) >=
-      (int64_t(1) << 31))
-    return DecodeArgumentError("more than 2^31 CTAs");
+  if (CtasPerSplit(p) >= (int64_t(1) << 31)) return DecodeArgumentError("more than 2^31 CTAs");
   cudaError_t launched;
   switch (p.page.head_size) {
     case 64: launched = LaunchForOptions<64>(stream, p); break;

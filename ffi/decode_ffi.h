@@ -14,6 +14,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi_checks.h"
 #include "nvfp4_numerics.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -55,7 +56,7 @@ struct DecodeProblem {
 };
 
 inline ffi::Error DecodeArgumentError(const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_nvfp4 paged_attention: " + message);
+  return ArgumentError("paged_attention", message);
 }
 
 inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
@@ -84,25 +85,19 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   }
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
     return DecodeArgumentError("out must have q's dtype and shape");
-  if (layout != int32_t(Layout::kHND) && layout != int32_t(Layout::kNHD))
-    return DecodeArgumentError("unknown layout");
 
   const int64_t stacked = q_dims[0], batch = q_dims[1], num_q_heads = q_dims[2];
   const int64_t head_size = q_dims[3];
-  const Layout page_layout = Layout(layout);
-  // HND pages: [L, num_blocks, 2, heads, block_size, F]; NHD: [L, num_blocks, 2, block_size,
-  // heads, F].
-  const int64_t num_kv_heads = cache_dims[page_layout == Layout::kHND ? 3 : 4];
-  const int64_t block_size = cache_dims[page_layout == Layout::kHND ? 4 : 3];
   if (head_size != 64 && head_size != 128 && head_size != 256)
     return DecodeArgumentError("the kernel supports head sizes 64, 128 and 256");
-  if (block_size <= 0 || block_size % 4 != 0)
-    return DecodeArgumentError("block_size must be a positive multiple of 4");
-  if (num_kv_heads <= 0 || num_q_heads % num_kv_heads != 0)
+  // The cache: [L, num_blocks, then the page axes].
+  const std::string page_error =
+      ReadPageGeometry(cache_dims, 2, layout, head_size, v_scale_swizzle, &p->page);
+  if (!page_error.empty()) return DecodeArgumentError(page_error);
+  const int64_t num_kv_heads = p->page.num_kv_heads, block_size = p->page.block_size;
+  if (num_q_heads % num_kv_heads != 0)
     return DecodeArgumentError("num_q_heads must be a multiple of num_kv_heads");
-  if (cache_dims[0] != stacked || cache_dims[2] != 2 ||
-      cache_dims[5] != head_size / 2 + head_size / kBlockElems)
-    return DecodeArgumentError("kv_cache shape does not match q");
+  if (cache_dims[0] != stacked) return DecodeArgumentError("kv_cache shape does not match q");
   if ((table_dims[0] != 1 && table_dims[0] != stacked) || table_dims[1] != batch ||
       (len_dims[0] != 1 && len_dims[0] != stacked) || len_dims[1] != batch)
     return DecodeArgumentError("block_tables/seq_lens shapes do not match q");
@@ -146,7 +141,6 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   p->sm_scale_stacked = sm_scale.element_count() > 1;
   p->num_splits = num_splits;
   p->tokens_per_split = tokens_per_split;
-  p->page = PageGeometry{num_kv_heads, block_size, head_size, page_layout, v_scale_swizzle};
   return ffi::Error::Success();
 }
 

@@ -3,8 +3,6 @@
 // Blackwell write the same bytes as the CPU kernel and the jnp reference.
 #include <cuda_runtime.h>
 
-#include <string>
-
 #include "cuda_common.cuh"
 #include "handlers.h"
 #include "store_ffi.h"

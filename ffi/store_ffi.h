@@ -6,6 +6,7 @@
 #include <string>
 #include <utility>
 
+#include "ffi_checks.h"
 #include "store_kernel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -17,7 +18,7 @@ namespace ffi = xla::ffi;
 inline constexpr const char kStoreTarget[] = "jax_nvfp4_reshape_and_cache";
 
 inline ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_nvfp4 reshape_and_cache: " + message);
+  return ArgumentError("reshape_and_cache", message);
 }
 
 inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
@@ -41,8 +42,6 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
   if (slot_mapping.element_type() != ffi::DataType::S32 &&
       slot_mapping.element_type() != ffi::DataType::S64)
     return InvalidArgument("slot_mapping must be int32 or int64");
-  if (layout != int32_t(Layout::kHND) && layout != int32_t(Layout::kNHD))
-    return InvalidArgument("unknown layout");
   if (scale_search != int32_t(ScaleSearch::kDefault) &&
       scale_search != int32_t(ScaleSearch::k4Over6))
     return InvalidArgument("unknown scale_search");
@@ -50,22 +49,11 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
   const size_t o = layered ? 1 : 0;  // offset of the per-layer axes
   p->num_layers = layered ? key_dims[0] : 1;
   p->num_tokens = key_dims[o];
-  const int64_t num_kv_heads = key_dims[o + 1];
-  const int64_t head_size = key_dims[o + 2];
-  const Layout page_layout = Layout(layout);
-  // HND pages: [num_blocks, 2, heads, block_size, F]; NHD: [num_blocks, 2, block_size, heads, F].
-  const int64_t block_size = cache_dims[o + (page_layout == Layout::kHND ? 3 : 2)];
-  const int64_t cache_heads = cache_dims[o + (page_layout == Layout::kHND ? 2 : 3)];
-  const int64_t head_bytes = head_size / 2 + head_size / kBlockElems;
-  if (head_size <= 0 || head_size % kBlockElems != 0)
-    return InvalidArgument("head_size must be a positive multiple of 16");
-  if (block_size <= 0 || block_size % 4 != 0)
-    return InvalidArgument("block_size must be a positive multiple of 4");
-  if (num_kv_heads <= 0) return InvalidArgument("num_kv_heads must be positive");
-  if (v_scale_swizzle && head_size % 64 != 0)
-    return InvalidArgument("swizzled V scales need head_size % 64 == 0");
-  if ((layered && cache_dims[0] != p->num_layers) || cache_dims[o + 1] != 2 ||
-      cache_heads != num_kv_heads || cache_dims[o + 4] != head_bytes)
+  // The cache: [num_layers,] num_blocks, then the page axes.
+  const std::string page_error =
+      ReadPageGeometry(cache_dims, o + 1, layout, key_dims[o + 2], v_scale_swizzle, &p->page);
+  if (!page_error.empty()) return InvalidArgument(page_error);
+  if ((layered && cache_dims[0] != p->num_layers) || p->page.num_kv_heads != key_dims[o + 1])
     return InvalidArgument("kv_cache shape does not match key");
   if (kv_cache_out->element_count() != kv_cache.element_count())
     return InvalidArgument("output is not the size of kv_cache");
@@ -90,7 +78,6 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
   p->num_blocks = cache_dims[o];
   p->slots_layer_stride = per_layer_slots ? p->num_tokens : 0;
   p->scales_layer_stride = num_k_scales == 1 ? 0 : 1;
-  p->page = PageGeometry{num_kv_heads, block_size, head_size, page_layout, v_scale_swizzle};
   p->scale_search = ScaleSearch(scale_search);
   return ffi::Error::Success();
 }
