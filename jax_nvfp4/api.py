@@ -160,7 +160,7 @@ def _check_store_scales(key, value, k_scale, v_scale, scale_search):
         a = jnp.abs(x.astype(jnp.float32))
         amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0.0)    # finite values
         amax_all = jnp.max(jnp.where(jnp.isnan(a), 0, a), initial=0.0)   # Inf included
-        s = jnp.min(jnp.reshape(s, (-1,)))  # the smallest of per-layer scales (vmap)
+        s = jnp.reshape(s, ())
         largest = _reference._rounded(jnp.float32(_layout.LARGEST_STORED) * s)
         clipped = jnp.sum(jnp.isfinite(a) & (a > largest), dtype=jnp.int32)
         valid = checks.scale_is_valid(s)

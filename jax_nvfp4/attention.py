@@ -16,7 +16,6 @@ with another axis, so a sharding of the head axis along KV-head boundaries carri
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -128,14 +127,6 @@ def _nan_if_invalid(result, k_scale, v_scale):
     return tuple(jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in result)
 
 
-def _layout_hint(kv_cache_shape, layout, num_q_heads, head_size):
-    """Where q's heads do not fit the cache read in ``layout`` but fit the other reading."""
-    other = _layout.CacheGeometry.other_reading(kv_cache_shape, layout)
-    if other is None or other.head_size != head_size or num_q_heads % other.num_kv_heads:
-        return ""
-    return ". " + other.written_as_hint()
-
-
 def _sm_scale(sm_scale, head_size):
     if sm_scale is None:
         return _reference.default_sm_scale(head_size)
@@ -234,7 +225,10 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     try:
         _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
     except ValueError as error:
-        hint = _layout_hint(kv_cache.shape, layout, num_q_heads, head_size)
+        # q's heads do not fit the cache read in ``layout``: do they fit the other reading?
+        hint = _layout.CacheGeometry.layout_hint(
+            kv_cache.shape, layout,
+            lambda other: other.head_size == head_size and num_q_heads % other.num_kv_heads == 0)
         if not hint:
             raise
         raise ValueError(f"{error}{hint}") from None

@@ -58,11 +58,9 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     expected = _layout.kv_cache_shape(geometry.num_blocks, geometry.block_size, num_kv_heads,
                                       head_size, layout)
     if cache_shape[lead:] != expected:
-        other = _layout.CacheGeometry.other_reading(cache_shape[lead:], layout)
-        hint = ""
-        if other is not None and (other.num_kv_heads, other.head_size) == (num_kv_heads,
-                                                                          head_size):
-            hint = ". " + other.written_as_hint()
+        hint = _layout.CacheGeometry.layout_hint(
+            cache_shape[lead:], layout,
+            lambda other: (other.num_kv_heads, other.head_size) == (num_kv_heads, head_size))
         raise ValueError(
             f"kv_cache shape {cache_shape[lead:]} does not match key (num_kv_heads={num_kv_heads}, "
             f"head_size={head_size}): expected {expected} for layout {layout!r}{hint}")

@@ -135,10 +135,10 @@ class CacheGeometry:
         try:
             return cls._read(shape, layout, argument)
         except ValueError as error:
-            other = cls.other_reading(shape, layout)
-            if other is None:
+            hint = cls.layout_hint(shape, layout, argument=argument)
+            if not hint:
                 raise
-            raise ValueError(f"{error}. {other.written_as_hint(argument)}") from None
+            raise ValueError(f"{error}{hint}") from None
 
     @classmethod
     def _read(cls, shape, layout: str, argument: str) -> "CacheGeometry":
@@ -169,6 +169,16 @@ class CacheGeometry:
             return cls._read(tuple(shape), other, "kv_cache")
         except ValueError:
             return None
+
+    @classmethod
+    def layout_hint(cls, shape, layout: str, fits=lambda other: True,
+                    argument: str = "kv_cache") -> str:
+        """For an error about ``shape`` read in ``layout``: '. <written_as_hint>' when the other
+        reading of the shape is a geometry that ``fits`` the caller's other arguments, else ''."""
+        other = cls.other_reading(shape, layout)
+        if other is None or not fits(other):
+            return ""
+        return ". " + other.written_as_hint(argument)
 
     def written_as_hint(self, argument: str = "kv_cache") -> str:
         """'this cache has the HND shape for ...; was it written with layout='HND'?'"""
