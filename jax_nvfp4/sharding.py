@@ -109,6 +109,8 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
     k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    checks.check_scale(k_scale, "k_scale")   # before the checked=True checks read them
+    checks.check_scale(v_scale, "v_scale")
     if checked:
         geometry = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
         slot_mapping = checks.require_checkify(slot_mapping, "reshape_and_cache_grouped")
