@@ -3,6 +3,7 @@
 
 #include "decode_ffi.h"
 #include "handlers.h"
+#include "ragged_ffi.h"
 #include "store_ffi.h"
 
 namespace nb = nanobind;
@@ -21,6 +22,7 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 NB_MODULE(_ffi, m) {
   m.attr("STORE_TARGET") = nvfp4::kStoreTarget;
   m.attr("DECODE_TARGET") = nvfp4::kDecodeTarget;
+  m.attr("RAGGED_TARGET") = nvfp4::kRaggedTarget;
   m.def("registrations", []() {
     nb::dict platforms;
     platforms["cpu"] = EncapsulateFfiHandler(NvFp4StoreCpu);
@@ -36,6 +38,13 @@ NB_MODULE(_ffi, m) {
 #endif
     return platforms;
   }, "Decode-attention handlers by XLA platform name (CUDA only; the CPU runs the jnp path).");
+  m.def("ragged_registrations", []() {
+    nb::dict platforms;
+#if defined(JAX_NVFP4_WITH_CUDA)
+    platforms["CUDA"] = EncapsulateFfiHandler(NvFp4RaggedAttentionCuda);
+#endif
+    return platforms;
+  }, "Ragged-attention handlers by XLA platform name (CUDA only; the CPU runs the jnp path).");
   m.def("_e2m1_code_mismatches", []() {
     // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
     // the comparison table of docs/format.md §2 step 6 on |y|. Returns how many differ (the
@@ -53,6 +62,8 @@ NB_MODULE(_ffi, m) {
         "The self-check above on the current GPU (-1 if CUDA failed).");
   m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
+  m.def("ragged_resident_ctas_per_sm", &nvfp4::RaggedResidentCtasPerSm,
+        "CTAs of the ragged-attention kernel for a head size resident on one SM of the current GPU.");
 #endif
   m.def("built_with_cuda", []() {
 #if defined(JAX_NVFP4_WITH_CUDA)

@@ -25,8 +25,6 @@ namespace ffi = xla::ffi;
 // Name of the FFI target; jax_nvfp4/attention_primitive.py registers the handler under it.
 inline constexpr const char kDecodeTarget[] = "jax_nvfp4_paged_attention";
 
-enum class QType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
-
 struct DecodeProblem {
   const void* q;
   const uint8_t* kv_cache;
@@ -77,12 +75,8 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   if (cache_dims.size() != 6) return DecodeArgumentError("kv_cache must have rank 6");
   if (table_dims.size() != 3 || len_dims.size() != 2)
     return DecodeArgumentError("block_tables must have rank 3 and seq_lens rank 2");
-  switch (q.element_type()) {
-    case ffi::DataType::BF16: p->q_type = QType::kBF16; break;
-    case ffi::DataType::F16: p->q_type = QType::kF16; break;
-    case ffi::DataType::F32: p->q_type = QType::kF32; break;
-    default: return DecodeArgumentError("q must be bfloat16, float16 or float32");
-  }
+  if (!ReadQType(q.element_type(), &p->q_type))
+    return DecodeArgumentError("q must be bfloat16, float16 or float32");
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
     return DecodeArgumentError("out must have q's dtype and shape");
 

@@ -1,4 +1,4 @@
-// Argument checks shared by the FFI handlers (store and decode attention). They re-check what
+// Argument checks shared by the FFI handlers (store, decode and ragged attention). They re-check what
 // the JAX side validated, so that a malformed call returns an error instead of reading or
 // writing out of bounds.
 #pragma once
@@ -13,6 +13,19 @@
 namespace nvfp4 {
 
 namespace ffi = xla::ffi;
+
+// The dtypes of the attention readers' q (and output).
+enum class QType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
+
+// q's dtype as a QType; false for any other dtype.
+inline bool ReadQType(ffi::DataType type, QType* q_type) {
+  switch (type) {
+    case ffi::DataType::BF16: *q_type = QType::kBF16; return true;
+    case ffi::DataType::F16: *q_type = QType::kF16; return true;
+    case ffi::DataType::F32: *q_type = QType::kF32; return true;
+    default: return false;
+  }
+}
 
 // An invalid-argument error of operation `op` ("reshape_and_cache", "paged_attention").
 inline ffi::Error ArgumentError(const char* op, const std::string& message) {

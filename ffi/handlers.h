@@ -1,5 +1,5 @@
-// The handler symbols the binding module exports: the store on each platform, the decode
-// attention kernel on CUDA.
+// The handler symbols the binding module exports: the store on each platform, the decode and
+// ragged attention kernels on CUDA.
 #pragma once
 
 #include "xla/ffi/api/ffi.h"
@@ -8,6 +8,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4StoreCpu);
 #if defined(JAX_NVFP4_WITH_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4StoreCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4DecodeAttentionCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(NvFp4RaggedAttentionCuda);
 
 namespace nvfp4 {
 // Every float32 through the device's branch-free e2m1 rounding against the comparison ladder,
@@ -16,5 +17,7 @@ int64_t E2m1CodeMismatchesCuda();
 // CTAs of the decode kernel for this head size that fit on one SM of the current GPU (0 if
 // CUDA failed or the head size has no kernel).
 int DecodeResidentCtasPerSm(int head_size);
+// Likewise for the ragged-attention kernel (its dynamic shared memory included).
+int RaggedResidentCtasPerSm(int head_size);
 }  // namespace nvfp4
 #endif

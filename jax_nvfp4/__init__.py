@@ -7,7 +7,7 @@ The store is an XLA FFI kernel (CPU and CUDA) updating the cache in place.
 
 from .api import (allocate_kv_cache, dequantize, reshape_and_cache, scale_from_amax,
                   slot_mapping_problems)
-from .attention import paged_attention, paged_attention_bf16
+from .attention import paged_attention, paged_attention_bf16, ragged_paged_attention
 from .layout import LAYOUTS, MAX_SCALE, MIN_SCALE, SCALE_SEARCHES, head_bytes, kv_cache_shape
 from . import checks, reference, sharding
 
@@ -23,6 +23,7 @@ __all__ = [
     "kv_cache_shape",
     "paged_attention",
     "paged_attention_bf16",
+    "ragged_paged_attention",
     "reference",
     "reshape_and_cache",
     "scale_from_amax",

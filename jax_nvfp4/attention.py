@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import attention_primitive as _primitive
+from . import ragged_primitive as _ragged
 from . import checks
 from . import layout as _layout
 from . import reference as _reference
@@ -32,14 +33,13 @@ _CACHE_DTYPES = ("bfloat16", "float16", "float32")
 # --------------------------------------------------------------------------- validation
 
 
-def _check_q(q):
+def _check_q(q, what="[batch, num_q_heads, head_size] (one decode token per sequence)"):
     if not hasattr(q, "dtype") or not hasattr(q, "shape"):
         raise TypeError(f"q must be an array, got {type(q).__name__}")
     if checks.dtype_name(q.dtype) not in _Q_DTYPES:
         raise TypeError(f"q must be bfloat16, float16 or float32, got {checks.dtype_name(q.dtype)}")
     if len(q.shape) != 3:
-        raise ValueError(f"q must have shape [batch, num_q_heads, head_size] (one decode token per "
-                         f"sequence), got shape {tuple(q.shape)}")
+        raise ValueError(f"q must have shape {what}, got shape {tuple(q.shape)}")
     return q.shape
 
 
@@ -52,9 +52,29 @@ def _check_heads(num_q_heads, num_kv_heads, head_size_q, head_size_cache, cache_
                          f"num_kv_heads {num_kv_heads} (grouped-query attention)")
 
 
-def _check_tables(block_tables, seq_lens, batch):
+def _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle):
+    """The NVFP4 cache against q's heads; returns ``(kv_cache as an array, its geometry)``. A
+    cache whose shape fits q only in the other layout gets an error that says so."""
+    if not hasattr(kv_cache, "dtype"):
+        kv_cache = jnp.asarray(kv_cache)
+    geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
+    try:
+        _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
+    except ValueError as error:
+        # q's heads do not fit the cache read in ``layout``: do they fit the other reading?
+        hint = _layout.CacheGeometry.layout_hint(
+            kv_cache.shape, layout,
+            lambda other: other.head_size == head_size and num_q_heads % other.num_kv_heads == 0)
+        if not hint:
+            raise
+        raise ValueError(f"{error}{hint}") from None
+    return kv_cache, geo
+
+
+def _check_tables(block_tables, seq_lens, batch, batch_name="q's batch"):
     """Validates block_tables and seq_lens (lists/NumPy arrays are accepted and converted; their
-    values must fit int32, the dtype the readers use, rather than wrap)."""
+    values must fit int32, the dtype the readers use, rather than wrap). ``batch`` is their
+    leading size (``batch_name`` says where it comes from, for the message)."""
     block_tables = checks.host_integers(block_tables, "block_tables", np.int32)
     seq_lens = checks.host_integers(seq_lens, "seq_lens", np.int32)
     block_tables, seq_lens = (x if hasattr(x, "dtype") else jnp.asarray(x)
@@ -65,7 +85,7 @@ def _check_tables(block_tables, seq_lens, batch):
             got = checks.dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
             raise TypeError(f"{name} must be an integer array (int32), got {got}")
         if len(x.shape) != rank or x.shape[0] != batch:
-            raise ValueError(f"{name} must have shape {what} with batch = {batch} (q's batch), "
+            raise ValueError(f"{name} must have shape {what} with batch = {batch} ({batch_name}), "
                              f"got shape {tuple(x.shape)}")
     return block_tables, seq_lens
 
@@ -219,19 +239,7 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse,
                          impl=impl, checked=checked)
     batch, num_q_heads, head_size = _check_q(q)
-    if not hasattr(kv_cache, "dtype"):
-        kv_cache = jnp.asarray(kv_cache)
-    geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
-    try:
-        _check_heads(num_q_heads, geo.num_kv_heads, head_size, geo.head_size, "kv_cache")
-    except ValueError as error:
-        # q's heads do not fit the cache read in ``layout``: do they fit the other reading?
-        hint = _layout.CacheGeometry.layout_hint(
-            kv_cache.shape, layout,
-            lambda other: other.head_size == head_size and num_q_heads % other.num_kv_heads == 0)
-        if not hint:
-            raise
-        raise ValueError(f"{error}{hint}") from None
+    kv_cache, geo = _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle)
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, batch)
     k_scale = _scale(k_scale, "k_scale")
     v_scale = _scale(v_scale, "v_scale")
@@ -255,6 +263,180 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     else:
         result = _primitive.bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                                  layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+    result = _nan_if_invalid(result, *raw_scales)
+    return result if return_lse else result[0]
+
+
+def _check_ragged_layout(cu_q_lens, num_seqs, max_num_seqs):
+    """cu_q_lens ``[max_num_seqs + 1]`` and num_seqs (a scalar) as int32 arrays."""
+    cu_q_lens = checks.host_integers(cu_q_lens, "cu_q_lens", np.int32)
+    num_seqs = checks.host_integers(num_seqs, "num_seqs", np.int32)
+    cu_q_lens, num_seqs = (x if hasattr(x, "dtype") else jnp.asarray(x)
+                           for x in (cu_q_lens, num_seqs))
+    for name, x, shapes, what in (
+            ("cu_q_lens", cu_q_lens, ((max_num_seqs + 1,),),
+             f"[max_num_seqs + 1] = ({max_num_seqs + 1},) (max_num_seqs = block_tables' rows)"),
+            ("num_seqs", num_seqs, ((), (1,)), "() or (1,) (a scalar)")):
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+            got = checks.dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
+            raise TypeError(f"{name} must be an integer array (int32), got {got}")
+        if tuple(x.shape) not in shapes:
+            raise ValueError(f"{name} must have shape {what}, got shape {tuple(x.shape)}")
+    return cu_q_lens, jnp.reshape(num_seqs, ())
+
+
+def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, num_blocks,
+                       block_size, scales, where):
+    """The run-time checks of ``checked=True`` for the ragged reader (``checkify``): ``0 <=
+    num_seqs <= max_num_seqs``; for the sequences ``b < num_seqs``, ``cu_q_lens`` non-decreasing
+    from ``cu_q_lens[0] >= 0`` to ``cu_q_lens[num_seqs] <= num_tokens``, ``q_len_b <=
+    seq_lens[b]`` (every query token has its position in the cache) and what
+    :func:`check_reads` checks of a decode batch; the scales. Rows of ``block_tables``,
+    ``seq_lens`` and ``cu_q_lens`` past ``num_seqs`` are padding: not checked."""
+    from jax.experimental import checkify
+
+    max_num_seqs = block_tables.shape[0]
+    ns = checks.to_int32(num_seqs)
+    checkify.check((ns >= 0) & (ns <= max_num_seqs),
+                   f"{where}: num_seqs = {{ns}} is outside [0, max_num_seqs = {max_num_seqs}] "
+                   f"(unchecked it is clamped into that range)", ns=ns)
+    ns = jnp.clip(ns, 0, max_num_seqs)
+    cu = checks.to_int32(cu_q_lens)
+    b = jnp.arange(max_num_seqs, dtype=jnp.int32)
+    active = b < ns
+    q_len = cu[1:] - cu[:-1]
+    for n, bad, what in () if not max_num_seqs else (
+            (jnp.sum(active & (q_len < 0), dtype=jnp.int32), active & (q_len < 0),
+             "decreases: cu_q_lens[{b} + 1] = {value} < cu_q_lens[{b}] (cu_q_lens must be "
+             "non-decreasing up to num_seqs; unchecked, a token belongs to the first sequence "
+             "that claims it)"),
+            (jnp.sum(active & (q_len > checks.to_int32(seq_lens)), dtype=jnp.int32),
+             active & (q_len > checks.to_int32(seq_lens)),
+             "gives sequence {b} more query tokens than seq_lens[{b}]: q_len = {value} (seq_lens "
+             "counts the query tokens, which must be stored with reshape_and_cache first; "
+             "unchecked, the first query tokens have no position and attend to nothing)")):
+        first = jnp.argmax(bad)
+        checkify.check(n == 0, f"{where}: cu_q_lens {what}; {{n}} such sequence(s)", n=n,
+                       b=first, value=q_len[first])
+    last = cu[ns]
+    checkify.check((cu[0] >= 0) & (last <= num_tokens),
+                   f"{where}: cu_q_lens must start at >= 0 and end (cu_q_lens[num_seqs]) at <= "
+                   f"num_tokens = {num_tokens}; got cu_q_lens[0] = {{first}}, "
+                   f"cu_q_lens[num_seqs] = {{last}} (unchecked, clamped into [0, num_tokens])",
+                   first=cu[0], last=last)
+    lens = jnp.where(active, checks.to_int32(seq_lens), 0)   # padding sequences read nothing
+    check_reads(block_tables, lens, num_blocks, block_size, scales, where)
+
+
+def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
+                           v_scale, *, layout="HND", v_scale_swizzle=True, sm_scale=None,
+                           return_lse=False, impl="auto", checked=False):
+    """Causal attention of several query tokens per sequence over an NVFP4 paged KV cache.
+
+    The reader for chunked prefill, prefix reuse, speculative decoding and mixed batches, in the
+    form of JAX's ragged paged attention (``jax.experimental.pallas.ops.tpu
+    .ragged_paged_attention``: ``queries``, ``kv_lens``, ``page_indices``, ``cu_q_lens``,
+    ``num_seqs``; vLLM's ``query_start_loc``, ``seq_lens``, ``block_table``). The query tokens
+    of all sequences are packed along one axis: sequence ``b < num_seqs`` owns
+    ``q[cu_q_lens[b]:cu_q_lens[b + 1]]``, ``q_len_b`` tokens. ``seq_lens[b]`` counts the
+    sequence's tokens in the cache *including* its query tokens, whose K/V the caller stores
+    first with :func:`jax_nvfp4.reshape_and_cache`. Query ``j`` of sequence ``b`` is at position
+    ``seq_lens[b] - q_len_b + j`` and attends causally to the positions up to and including its
+    own (position ``t`` in page ``block_tables[b, t // block_size]``, row ``t % block_size``).
+    One query token per sequence (``cu_q_lens = arange(batch + 1)``) is decode attention: the
+    results equal :func:`paged_attention`'s (the jnp paths bit for bit, the kernels within their
+    measured bounds).
+
+    ``num_seqs`` is a device scalar: the batch can change without recompiling, as can
+    ``cu_q_lens`` and ``seq_lens``. The static shapes are ``num_tokens`` (pad it to a bucket),
+    ``max_num_seqs`` (the rows of ``block_tables``) and ``max_blocks_per_seq``. Tokens that no
+    sequence owns (past ``cu_q_lens[num_seqs]``) get zeros (and an lse of ``-inf``), as does a
+    query with nothing to attend to. Rows of ``block_tables``/``seq_lens``/``cu_q_lens`` past
+    ``num_seqs`` are padding and may hold anything.
+
+    What is not a valid call is checked with ``checked=True`` and otherwise handled so that
+    nothing outside the cache is read and every token gets one well-defined result:
+    ``num_seqs`` is clamped into ``[0, max_num_seqs]``; ``cu_q_lens`` is read as its running
+    maximum clamped into ``[0, num_tokens]`` (so a token never has two owners); a sequence with
+    more query tokens than ``seq_lens`` gives its first tokens (those at negative positions)
+    nothing to attend to; page ids, lengths and scales follow :func:`paged_attention`'s rules
+    (ids inside the pages a sequence reads are clamped into the cache, lengths beyond
+    ``max_blocks_per_seq * block_size`` attend to the whole table, an invalid scale makes every
+    output NaN).
+
+    On a GPU (``impl="auto"``) this is one CUDA kernel for head sizes 64, 128 and 256 (plus a
+    merge when long contexts are split across CTAs): a CTA takes up to 64 query rows (the
+    query tokens x query heads of one kv head) of one sequence and reads each page it needs
+    once for all of them, turning the FP4 codes into fp16 in shared memory (exact) for the
+    tensor cores (float32 accumulation, float32 online softmax, q and P rounded to fp16 as in
+    the decode kernel). Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
+    runs (:func:`jax_nvfp4.reference.ragged_paged_attention`: every query token is decode
+    attention over its own sequence's pages, so its memory is that of a decode batch of
+    ``num_tokens`` sequences).
+
+    Args:
+      q: ``[num_tokens, num_q_heads, head_size]``, bfloat16, float16 or float32; grouped-query
+        attention as in :func:`paged_attention`.
+      kv_cache: one layer's ``uint8`` NVFP4 cache for ``layout``.
+      block_tables: ``[max_num_seqs, max_blocks_per_seq]`` integer (int32) page ids.
+      seq_lens: ``[max_num_seqs]`` integer: each sequence's tokens in the cache, its query
+        tokens included.
+      cu_q_lens: ``[max_num_seqs + 1]`` integer: where each sequence's query tokens start in
+        ``q`` (``cu_q_lens[0] = 0``, non-decreasing).
+      num_seqs: integer scalar (shape ``()`` or ``(1,)``, a Python int or a device value): the
+        sequences in use.
+      k_scale, v_scale: the float32 scalars the cache was written with.
+      layout, v_scale_swizzle, sm_scale, impl: as for :func:`paged_attention`.
+      return_lse: also return the natural-log log-sum-exp of each query's scores, float32
+        ``[num_tokens, num_q_heads]``.
+      checked: also verify with ``jax.experimental.checkify`` what
+        :func:`check_ragged_reads` lists (page ids and lengths of the sequences in use,
+        ``num_seqs``, ``cu_q_lens``, query counts against ``seq_lens``, the scales).
+
+    Returns:
+      ``[num_tokens, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)``.
+
+    Raises:
+      TypeError, ValueError: at trace time, naming the offending argument.
+    """
+    checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse,
+                         impl=impl, checked=checked)
+    num_tokens, num_q_heads, head_size = _check_q(
+        q, "[num_tokens, num_q_heads, head_size] (the query tokens of all sequences, packed)")
+    kv_cache, geo = _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle)
+    block_tables = checks.host_integers(block_tables, "block_tables", np.int32)
+    if not hasattr(block_tables, "shape") or len(block_tables.shape) != 2:
+        raise ValueError("block_tables must have shape [max_num_seqs, max_blocks_per_seq], got "
+                         + (f"shape {tuple(block_tables.shape)}" if hasattr(block_tables, "shape")
+                            else type(block_tables).__name__))
+    max_num_seqs = block_tables.shape[0]
+    block_tables, seq_lens = _check_tables(block_tables, seq_lens, max_num_seqs,
+                                           "max_num_seqs, block_tables' rows")
+    cu_q_lens, num_seqs = _check_ragged_layout(cu_q_lens, num_seqs, max_num_seqs)
+    k_scale = _scale(k_scale, "k_scale")
+    v_scale = _scale(v_scale, "v_scale")
+    sm_scale = _sm_scale(sm_scale, head_size)
+    max_blocks = block_tables.shape[1]
+    if geo.num_blocks == 0 and max_blocks:
+        raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
+                         f"{max_blocks} column(s)")
+    if checked:
+        block_tables = checks.require_checkify(block_tables, "ragged_paged_attention")
+        check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens,
+                           geo.num_blocks, geo.block_size,
+                           (("k_scale", k_scale), ("v_scale", v_scale)), "ragged_paged_attention")
+    raw_scales = k_scale, v_scale
+    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
+
+    if impl == "jnp":
+        result = _reference.ragged_paged_attention(
+            q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+            layout=layout, v_scale_swizzle=bool(v_scale_swizzle), sm_scale=sm_scale,
+            return_lse=True)
+    else:
+        result = _ragged.bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
+                              v_scale, sm_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                              impl=impl)
     result = _nan_if_invalid(result, *raw_scales)
     return result if return_lse else result[0]
 

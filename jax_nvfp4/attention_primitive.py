@@ -153,19 +153,28 @@ def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
     """Split-KV plan: ``(num_splits, tokens_per_split)``.
 
     One CTA attends for one (stacked member, sequence, kv head, group of up to 8 query heads)
-    over ``tokens_per_split`` positions (a multiple of 128). The plan picks the number of
-    splits that minimises the modelled time: whole waves of ``sm_count * ctas_per_sm`` CTAs,
-    each as long as its split plus a start cost, plus the merge when there are several
-    splits. This fills the GPU at batch 1 and long context as at large batch and short
-    context, and avoids a nearly empty last wave. At most one split per 256 positions, and at
-    most 256 splits. The plan depends only on static shapes, so a jitted step compiles once;
-    a short sequence skips the splits past its length.
+    over ``tokens_per_split`` positions (a multiple of 128); :func:`plan_splits_for_units` picks
+    the number of splits. The plan depends only on static shapes, so a jitted step compiles
+    once; a short sequence skips the splits past its length.
     """
     group = num_q_heads // num_kv_heads
     units = stacked * batch * num_kv_heads * -(-group // 8)
+    return plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm, _TOKENS_PER_CTA_STEP)
+
+
+def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_sm: int,
+                          step: int) -> tuple[int, int]:
+    """The split-KV plan of ``units`` CTAs' worth of work over up to ``max_tokens`` positions
+    each: ``(num_splits, tokens_per_split)``, ``tokens_per_split`` a multiple of ``step``.
+
+    Picks the number of splits that minimises the modelled time: whole waves of ``sm_count *
+    ctas_per_sm`` CTAs, each as long as its split plus a start cost, plus the merge when there
+    are several splits. This fills the GPU at batch 1 and long context as at large batch and
+    short context, and avoids a nearly empty last wave. At most one split per 256 positions,
+    and at most 256 splits.
+    """
     slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)
-    step = _TOKENS_PER_CTA_STEP
     best = None
     for wanted in range(1, max(1, min(_MAX_SPLITS, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))) + 1):
         per_split = -(-max_tokens // wanted)
@@ -385,4 +394,4 @@ def partitioned(body):
 
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
-           "plan_splits"]
+           "plan_splits", "plan_splits_for_units"]

@@ -307,3 +307,77 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     shape = (batch, max_blocks * geo.block_size, geo.num_kv_heads, geo.head_size)
     return attend(q, k.reshape(shape), v.reshape(shape), seq_lens, sm_scale=sm_scale,
                   return_lse=return_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged paged attention (several query tokens per sequence): the jnp path of
+# jax_nvfp4.ragged_paged_attention (impl="jnp"), the reference its CUDA kernel is tested against.
+
+
+def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: int):
+    """Which sequence each query token belongs to, and how many positions it attends to.
+
+    The rules of :func:`jax_nvfp4.ragged_paged_attention`, in one place (the CUDA kernel
+    follows the same ones, ``ffi/ragged_cuda.cu``):
+
+    * ``num_seqs`` is clamped to ``[0, max_num_seqs]``; sequence ``b < num_seqs`` owns the query
+      tokens ``[start_b, start_{b+1})`` with ``start_b = clip(max(cu_q_lens[:b + 1]), 0,
+      num_tokens)``: ``cu_q_lens[b]`` itself when it is non-decreasing and inside
+      ``[0, num_tokens]`` (``checked=True`` reports otherwise), and never two owners for one
+      token whatever it holds.
+    * Query ``j`` of sequence ``b`` (``q_len_b = start_{b+1} - start_b`` tokens) is at position
+      ``kv_len_b - q_len_b + j`` (``kv_len_b = max(seq_lens[b], 0)`` includes the query tokens,
+      stored first) and attends to the positions ``t <= kv_len_b - q_len_b + j`` with
+      ``t < capacity = max_blocks_per_seq * block_size``: it attends to
+      ``end = clip(kv_len_b - (q_len_b - 1 - j), 0, capacity)`` positions.
+    * Tokens no sequence owns attend to nothing (``end = 0``: zero output, lse ``-inf``).
+
+    Args:
+      cu_q_lens: ``[max_num_seqs + 1]`` integer. num_seqs: integer scalar (shape ``()`` or
+      ``(1,)``). seq_lens: ``[max_num_seqs]`` integer. num_tokens, capacity: static ints.
+
+    Returns:
+      ``(seq, end)``: int32 ``[num_tokens]`` each; ``seq`` is the owning sequence (clamped into
+      ``[0, max_num_seqs - 1]`` for tokens nobody owns, whose ``end`` is 0).
+    """
+    max_num_seqs = seq_lens.shape[0]
+    cu = checks.to_int32(cu_q_lens)
+    ns = jnp.clip(jnp.reshape(checks.to_int32(num_seqs), ()), 0, max_num_seqs)
+    starts = jnp.clip(jax.lax.cummax(cu, axis=0), 0, num_tokens)           # [S + 1]
+    starts = jnp.where(jnp.arange(max_num_seqs + 1) <= ns, starts, starts[ns])
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    owner = jnp.searchsorted(starts[1:], t, side="right").astype(jnp.int32)  # [0, S]
+    owned = (t >= starts[0]) & (owner < ns)
+    seq = jnp.minimum(owner, max(max_num_seqs - 1, 0))
+    q_len = starts[seq + 1] - starts[seq]
+    kv_len = jnp.maximum(checks.to_int32(seq_lens)[seq], 0)
+    # kv_len - (q_len - 1 - j): never overflows int32 (0 <= q_len - 1 - j < num_tokens).
+    end = jnp.clip(kv_len - (q_len - 1 - (t - starts[seq])), 0, capacity)
+    return seq, jnp.where(owned, end, 0).astype(jnp.int32)
+
+
+def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
+                           v_scale, *, layout="HND", v_scale_swizzle=True, sm_scale=None,
+                           return_lse=False):
+    """Ragged paged attention over an NVFP4 cache in pure jnp (no argument checks).
+
+    The computation behind ``jax_nvfp4.ragged_paged_attention(..., impl="jnp")``, which
+    validates the arguments first; same arguments and result. Each query token is decode
+    attention of its own: :func:`ragged_token_plan` gives its sequence and the number of
+    positions it sees, and :func:`paged_attention` attends with that sequence's row of
+    ``block_tables`` and that length. So one query token per sequence is the decode reader
+    exactly, and the memory is that of a decode batch of ``num_tokens`` sequences (every token
+    gathers all ``max_blocks_per_seq`` pages of its row).
+    """
+    geo = _layout.CacheGeometry.from_shape(kv_cache.shape, layout)
+    num_tokens = q.shape[0]
+    max_num_seqs, max_blocks = block_tables.shape
+    if max_num_seqs == 0 or num_tokens == 0:
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+        return (out, lse) if return_lse else out
+    seq, end = ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens,
+                                 max_blocks * geo.block_size)
+    return paged_attention(q, kv_cache, checks.to_int32(block_tables)[seq], end, k_scale,
+                           v_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                           sm_scale=sm_scale, return_lse=return_lse)

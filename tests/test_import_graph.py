@@ -10,9 +10,10 @@ The layers, each importing only from those above it:
    multi-device jit)
 4. ``primitive`` (the store primitive)
 5. ``api`` (public store, allocator, reader), ``attention_primitive`` (the decode primitive)
-6. ``attention`` (public decode attention), ``testing`` (assertions for tests)
-7. ``sharding`` (tensor-parallel API: the head-grouped cache)
-8. ``__init__``
+6. ``ragged_primitive`` (the ragged-attention primitive; uses the decode primitive's split plan)
+7. ``attention`` (public decode and ragged attention), ``testing`` (assertions for tests)
+8. ``sharding`` (tensor-parallel API: the head-grouped cache)
+9. ``__init__``
 """
 
 import ast
@@ -27,6 +28,7 @@ LAYERS = [
     {"reference", "partitioning"},
     {"primitive"},
     {"api", "attention_primitive"},
+    {"ragged_primitive"},
     {"attention", "testing"},
     {"sharding"},
     {"__init__"},

@@ -1,0 +1,236 @@
+// Device code shared by the attention kernels over the NVFP4 cache (decode_cuda.cu: one query
+// token per sequence; ragged_cuda.cu: many): the tensor-core and register helpers, the E2M1 and
+// E4M3 -> fp16 conversions, how a CTA finds a position's bytes in the pages (PageView), q and
+// output in their dtypes, and the log-sum-exp merge of split-KV partial results.
+//
+// Numbers (both kernels): K_f16 = code * 2^-14 * (block scale * 2^7), exact, so K = K_f16 *
+// k_scale * 2^7 (likewise V); q is rounded to fp16 after a power-of-two scale 2^e per query row
+// that puts its largest element in [2^14, 2^15) (q_exponent); scores are S_acc * k_scale *
+// sm_scale * 2^(7-e), in log2 units for exp2; outputs are O_acc / l * v_scale * 2^7.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cuda_common.cuh"
+#include "ffi_checks.h"
+#include "nvfp4_numerics.h"
+
+namespace nvfp4 {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// ------------------------------------------------------------------------------------------
+// Register-level helpers.
+
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Transpose of an 8x8 matrix of 16-bit values held one row-pair per lane (row lane/4, columns
+// 2*(lane%4), +1), in the same layout.
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// Packed fp16 product, subnormals kept (no .ftz): the products below must be exact.
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  return __byte_perm(a, b, selector);
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Eight E2M1 codes (code i in bits 4i..4i+3 of w) as four f16x2 words of value * 2^-14,
+// exactly: a code's magnitude bits (e1 e0 m) become the fp16 bits 11..9 (exponent e, mantissa
+// m: 2^(e-15) * (1 + m/2), or the subnormal 2^-14 * m/2 for e = 0), its sign bit 15.
+//   r[0] = (code 0, code 4), r[1] = (code 2, code 6), r[2] = (code 1, code 5),
+//   r[3] = (code 3, code 7)   (low half, high half).
+// Each output takes its two codes from a copy of w in which every other nibble is zero, so the
+// shifted copies never put a foreign bit into the kept positions (mask 0x8E00 per half).
+// Written with explicit lop3 (one instruction for (a | b) & c): left to itself the compiler
+// re-associates the masks into four instructions per output instead of three.
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xA8;\n" : "=r"(d) : "r"(a), "r"(b), "n"(kMask));
+  return d;
+}
+
+__device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&r)[4]) {
+  constexpr uint32_t kKeep = 0x8E008E00u;
+  uint32_t even, odd;
+  asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(even) : "r"(w), "n"(0x0F0F0F0F));
+  asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(odd) : "r"(w), "n"(0xF0F0F0F0));
+  r[0] = or_and<kKeep>(even << 9, even << 12);
+  r[1] = or_and<kKeep>(even << 1, even << 4);
+  r[2] = or_and<kKeep>(odd << 5, odd << 8);
+  r[3] = or_and<kKeep>(odd >> 3, odd);
+}
+
+// Two E4M3 bytes (low byte -> low half) as f16x2 of value * 2^7: exact (|448 * 2^7| < 65504,
+// subnormals included), NaN (0x7F/0xFF) stays NaN.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2_x128(uint32_t two_bytes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(two_bytes & 0xFFFFu), __NV_E4M3);
+  return hmul2(uint32_t(h.x) | (uint32_t(h.y) << 16), 0x58005800u);  // x 128
+}
+
+template <int kBytes>
+__device__ __forceinline__ void load_words(const uint8_t* p, uint32_t* w) {
+  if constexpr (kBytes % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < kBytes / 16; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (kBytes == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(p));
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    static_assert(kBytes == 4, "4, 8 or a multiple of 16 bytes");
+    w[0] = __ldg(reinterpret_cast<const uint32_t*>(p));
+  }
+}
+
+template <int kBytes>
+__device__ __forceinline__ uint32_t load_small(const uint8_t* p) {
+  if constexpr (kBytes == 4) return __ldg(reinterpret_cast<const uint32_t*>(p));
+  else if constexpr (kBytes == 2) return __ldg(reinterpret_cast<const uint16_t*>(p));
+  else return __ldg(p);
+}
+
+// Everything a CTA needs to find a position's bytes.
+template <Layout kLayout>
+struct PageView {
+  const uint8_t* cache;    // this member's cache
+  const int32_t* table;    // this sequence's row of block_tables
+  int64_t page_bytes;      // 2 * side bytes
+  int32_t side_bytes;
+  int32_t side_data;       // data region bytes of one side
+  int32_t head_row;        // plane row of (this kv head, row 0)
+  int32_t num_kv_heads;    // plane rows between consecutive token rows in NHD (1 in HND)
+  int32_t last_page;       // num_blocks - 1
+  FastDivmod block_size;
+  bool tile_in_page;       // block_size % 16 == 0: a 16-token tile never crosses a page (decode)
+
+  // Byte offset (from `cache`) of a page id read from the block table: ids outside the
+  // cache are clamped into it (never read outside the cache, whatever the table holds).
+  __device__ __forceinline__ int64_t page_offset(int32_t page) const {
+    return int64_t(min(max(page, 0), last_page)) * page_bytes;
+  }
+  // The page offset of a position, and its row in the page.
+  __device__ __forceinline__ int64_t locate(uint32_t position, uint32_t* row) const {
+    const uint32_t index = block_size.divmod(position, row);
+    return page_offset(__ldg(table + index));
+  }
+  __device__ __forceinline__ int32_t plane_row(uint32_t row) const {
+    return head_row + int32_t(row) * (kLayout == Layout::kHND ? 1 : num_kv_heads);
+  }
+  // Offset in a side's scale region of block scale s (of kScales) of page row `row`, for
+  // swizzled V scales (docs/format.md §4: plane row 4 (row / 4) + s / G, column 4 (s % G) +
+  // row % 4, G = kScales / 4): the bytes of rows 4k .. 4k+3 of one block are adjacent.
+  template <int kScales>
+  __device__ __forceinline__ int32_t swizzled_scale_offset(uint32_t row, int s) const {
+    constexpr int kGroup = kScales / 4;
+    return plane_row((row & ~3u) + s / kGroup) * kScales + (s % kGroup) * 4 + int32_t(row & 3u);
+  }
+  // The same for linear scales (K always; V with v_scale_swizzle=False).
+  template <int kScales>
+  __device__ __forceinline__ int32_t linear_scale_offset(uint32_t row, int s) const {
+    return plane_row(row) * kScales + s;
+  }
+};
+
+
+// ------------------------------------------------------------------------------------------
+// q and the output in their dtypes.
+
+__device__ __forceinline__ float load_q(const void* q, QType type, int64_t i) {
+  switch (type) {
+    case QType::kBF16:
+      return __bfloat162float(__ushort_as_bfloat16(static_cast<const uint16_t*>(q)[i]));
+    case QType::kF16:
+      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(q)[i]));
+    default:
+      return static_cast<const float*>(q)[i];
+  }
+}
+
+__device__ __forceinline__ void store_out(void* out, QType type, int64_t i, float x) {
+  switch (type) {
+    case QType::kBF16:
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(x);
+      break;
+    case QType::kF16:
+      static_cast<__half*>(out)[i] = __float2half_rn(x);
+      break;
+    default:
+      static_cast<float*>(out)[i] = x;
+  }
+}
+
+// The power-of-two exponent e that puts amax * 2^e in [2^14, 2^15) (0 for 0, Inf, NaN): q
+// rounded to fp16 after it keeps 11 significant bits and cannot overflow.
+__device__ __forceinline__ int q_exponent(float amax) {
+  int exponent = 0;
+  if (amax > 0.f && amax <= 3.402823466e38f) {
+    frexpf(amax, &exponent);  // amax in [2^(x-1), 2^x)
+    exponent = 15 - exponent;  // amax * 2^e in [2^14, 2^15)
+  }
+  return exponent;
+}
+
+// ------------------------------------------------------------------------------------------
+// Split-KV: the partial results of `count` splits of one query row (log2-unit lse per split,
+// -inf for a split with nothing in it; the split's output normalised by its own sum), combined
+// with weights 2^(lse_s - max). Returns the combined value of dimension d (0 where every
+// split is empty) and sets *lse2 to the combined log2 lse (-inf then).
+__device__ __forceinline__ float merge_splits(const float* lse, const float* partial,
+                                              int64_t stride, int count, int d, float* lse2) {
+  float top = -INFINITY;
+  for (int s = 0; s < count; ++s) top = fmaxf(top, lse[s]);
+  if (top == -INFINITY) {
+    *lse2 = -INFINITY;
+    return 0.f;
+  }
+  float sum = 0.f, acc = 0.f;
+  for (int s = 0; s < count; ++s) {
+    if (lse[s] == -INFINITY) continue;  // an empty split: its partial output was not written
+    const float weight = exp2_approx(lse[s] - top);
+    sum += weight;
+    acc += weight * partial[s * stride + d];
+  }
+  *lse2 = top + __log2f(sum);
+  return acc / sum;
+}
+
+}  // namespace
+}  // namespace nvfp4

@@ -1,0 +1,753 @@
+// Ragged paged attention over the NVFP4 cache on the GPU (jax_nvfp4.ragged_paged_attention):
+// several query tokens per sequence (chunked prefill, prefix reuse, speculative decoding, mixed
+// batches), causal, sm_89+.
+//
+// Work: one CTA (4 warps) per (query tile, kv head, stacked member, split). A query tile is up
+// to kRows = 64 query rows of one sequence, a row being one (query token, query head of this kv
+// head): sequence b's q_len_b * group rows, token-major, cut into tiles. The grid's x axis has
+// an upper bound of slots (ceil(T * group / 64) + min(S, T)); each CTA finds its sequence and
+// tile from cu_q_lens with a warp scan (the sequence layout is a device value: no host plan),
+// and slots past the last tile exit. A further ceil(T / 64) slots write zeros for the tokens no
+// sequence owns. The rules (which tokens a sequence owns, which positions a query sees) are
+// jax_nvfp4.reference.ragged_token_plan's.
+//
+// Per step the CTA converts kKv positions of K and V (the pages of this kv head) from FP4 codes
+// to fp16 in shared memory, once for every query row of the tile, exactly (attention_device.cuh;
+// head dimensions permuted within groups of 8, q permuted to match, the output written back in
+// true order), two buffers deep: each step's global loads are issued before the previous step's
+// tensor-core work and one barrier per step orders the buffers. Each warp then multiplies on
+// the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate; FlashAttention-2 style):
+//   S = Q K^T   16 query rows in M, positions in N, head dims in K (fragments by ldmatrix),
+//   O += P V    query rows in M, head dims in N, positions in K (V by ldmatrix.trans),
+// with a float32 online softmax per row. A tile of more than 32 rows gives each warp 16 rows
+// and all of a step's positions; a tile of 16 or 32 rows (speculative decoding, decode tokens of
+// a mixed batch) gives each warp a quarter or half of the positions instead (each page is still
+// read once for all of the tile's rows), and the warps' partial results are merged through
+// shared memory at the end. Long contexts with few tiles split across CTAs (split-KV) and a
+// second kernel merges the splits.
+//
+// Only the pages a tile needs are read (positions < the end of its last row), page ids are
+// clamped into the cache, positions a row may not see are masked (-inf scores), positions past
+// what the tile reads are zeros, not loads.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "attention_device.cuh"
+#include "cuda_common.cuh"
+#include "handlers.h"
+#include "ragged_ffi.h"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16 * kWarps;  // query rows per CTA (jax_nvfp4/ragged_primitive.py)
+constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+
+template <int kHead>
+struct RaggedShape {
+  static constexpr int kKv = kHead >= 256 ? 32 : 64;  // positions converted per step
+  static constexpr int kStride = kHead + 8;            // halves per shared row (+16 B: no
+                                                       // bank conflicts for ldmatrix)
+  static constexpr int kKSteps = kHead / 16;           // MMA k-steps of S
+  static constexpr int kSTiles = kKv / 8;              // n-tiles of S
+  static constexpr int kOTiles = kHead / 8;            // n-tiles of O
+  static constexpr int kPSteps = kKv / 16;             // k-steps of P V
+  static constexpr int kScales = kHead / 16;           // E4M3 scales per (head, position)
+  // Conversion: 2 * kKv (position, side) head vectors per step over 128 threads.
+  static constexpr int kThreadsPerVector = kThreads / (2 * kKv);
+  static constexpr int kThreadDims = kHead / kThreadsPerVector;
+  static constexpr int kCodeBytes = kThreadDims / 2;
+  static constexpr int kCodeWords = kCodeBytes / 4;
+  static constexpr int kScaleBytes = kThreadDims / 16;  // 4 or 8
+  // q's fragments in registers for the whole CTA (head size 256: from shared memory each step,
+  // the O accumulators need the registers).
+  static constexpr bool kQInRegisters = kHead <= 128;
+  // Shared memory: q, two buffers of K and V, per-row data. The warps' final states reuse the
+  // K/V buffers.
+  static constexpr int kTileHalves = kKv * kStride;
+  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kKvBytes = 2 * 2 * kTileHalves * 2;
+  static constexpr int kMergeFloats = kWarps * 16 * (kHead + 2);
+  static constexpr int kRowBytes = kRows * 3 * 4;
+  static constexpr int kSmemBytes = kQBytes + kKvBytes + kRowBytes;
+  static_assert(kMergeFloats * 4 <= kKvBytes, "the merge reuses the K/V buffers");
+  static_assert(kScaleBytes == 4 || kScaleBytes == 8, "scale loads of 4 or 8 bytes");
+};
+
+// ------------------------------------------------------------------------------------------
+// Shared-memory fragment loads.
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return uint32_t(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// Eight q values from element i (a multiple of 8) as float32.
+__device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, float (&x)[8]) {
+  if (type == QType::kF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+    x[7] = b.w;
+    return;
+  }
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint16_t lo = uint16_t(w[k] & 0xFFFFu), hi = uint16_t(w[k] >> 16);
+    if (type == QType::kBF16) {
+      x[2 * k] = __bfloat162float(__ushort_as_bfloat16(lo));
+      x[2 * k + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
+    } else {
+      x[2 * k] = __half2float(__ushort_as_half(lo));
+      x[2 * k + 1] = __half2float(__ushort_as_half(hi));
+    }
+  }
+}
+
+// Head dimension of position p (0..7) of a converted group of 8 (e2m1x8_to_f16x2's order:
+// dims 0, 4, 2, 6, 1, 5, 3, 7); position 2c + 1 holds dimension kPermutedDim(2c) + 4.
+__device__ __forceinline__ int permuted_dim_even(int c) { return ((c & 1) << 1) | (c >> 1); }
+
+// ------------------------------------------------------------------------------------------
+// The tile a CTA works on.
+
+struct TileWork {
+  int32_t seq;    // sequence b
+  int32_t start;  // its first query token
+  int32_t q_len;  // its query tokens
+  int32_t tile;   // which of its tiles (rows tile * kRows ..)
+};
+
+// The `slot`-th query tile of the batch (every lane of the warp gets it), tiles of a sequence
+// numbered from its last (longest) one so that the longest tiles start first. Sequence b owns
+// the tokens [start_b, start_{b+1}), start_b = clamp(max(cu_q_lens[0..b]), 0, T), b < ns.
+// Returns false for a slot past the last tile.
+__device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                          int32_t group, int32_t slot, int lane, TileWork* w) {
+  int32_t running = INT_MIN;  // max of cu[0 .. base - 1]
+  int32_t before = 0;         // tiles of the sequences before base
+  for (int32_t base = 0; base < ns; base += 32) {
+    const int32_t b = base + lane;
+    const bool live = b < ns;
+    const int32_t c0 = live ? __ldg(cu + b) : INT_MIN;
+    const int32_t c1 = live ? __ldg(cu + b + 1) : INT_MIN;
+    int32_t m = c0;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t other = __shfl_up_sync(kFullMask, m, d);
+      if (lane >= d) m = max(m, other);
+    }
+    m = max(m, running);
+    const int32_t s0 = min(max(m, 0), num_tokens);
+    const int32_t s1 = min(max(max(m, c1), 0), num_tokens);
+    const int32_t q_len = live ? s1 - s0 : 0;
+    const int32_t tiles = (q_len * group + kRows - 1) / kRows;
+    int32_t incl = tiles;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t other = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += other;
+    }
+    const int32_t lo = before + incl - tiles, hi = before + incl;
+    const uint32_t hit = __ballot_sync(kFullMask, live && slot >= lo && slot < hi);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      w->seq = __shfl_sync(kFullMask, b, src);
+      w->start = __shfl_sync(kFullMask, s0, src);
+      w->q_len = __shfl_sync(kFullMask, q_len, src);
+      const int32_t local = slot - __shfl_sync(kFullMask, lo, src);
+      w->tile = __shfl_sync(kFullMask, tiles, src) - 1 - local;
+      return true;
+    }
+    running = __shfl_sync(kFullMask, m, 31);
+    before = __shfl_sync(kFullMask, hi, 31);
+  }
+  return false;
+}
+
+// [start_0, start_ns): the tokens some sequence owns (every lane gets them).
+__device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                             int lane, int32_t* first, int32_t* last) {
+  int32_t m = INT_MIN;
+  for (int32_t b = lane; b <= ns; b += 32) m = max(m, __ldg(cu + b));
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) m = max(m, __shfl_xor_sync(kFullMask, m, d));
+  *first = min(max(__ldg(cu), 0), num_tokens);
+  *last = min(max(m, 0), num_tokens);
+}
+
+// What a CTA knows of its launch.
+struct RaggedGrid {
+  int32_t tile_slots;     // slots of query tiles; the rest zero the tokens nobody owns
+  FastDivmod group;       // query heads per kv head
+  FastDivmod block_size;
+};
+
+// Writes the result of a query row that attends to nothing in this split: zeros and -inf (one
+// split) or an empty partial result (the merge then skips it).
+__device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row, int split,
+                                            int d, int head_size) {
+  if (p.num_splits == 1) {
+    store_out(p.out, p.q_type, row * head_size + d, 0.f);
+    if (d == 0) p.lse[row] = -INFINITY;
+  } else if (d == 0) {
+    p.partial_lse[row * p.num_splits + split] = -INFINITY;
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// The raw bytes of one (position, side) head vector part, as loaded from the pages.
+
+template <int kHead>
+struct RawVector {
+  uint32_t codes[RaggedShape<kHead>::kCodeWords];
+  uint32_t scales[RaggedShape<kHead>::kScaleBytes / 4];
+};
+
+template <int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void load_vector(RawVector<kHead>& raw, const PageView<kLayout>& pv,
+                                            int32_t page, uint32_t row, int side, int part) {
+  using R = RaggedShape<kHead>;
+  const uint8_t* side_bytes = pv.cache + pv.page_offset(page) + side * pv.side_bytes;
+  const int32_t plane = pv.plane_row(row);
+  load_words<R::kCodeBytes>(side_bytes + plane * (kHead / 2) + part * R::kCodeBytes, raw.codes);
+  const uint8_t* scales = side_bytes + pv.side_data;
+  if (!kSwizzle || side == 0) {
+    load_words<R::kScaleBytes>(scales + plane * R::kScales + part * R::kScaleBytes, raw.scales);
+  } else {
+#pragma unroll
+    for (int w = 0; w < R::kScaleBytes / 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s = part * R::kScaleBytes + 4 * w + i;
+        word |= load_small<1>(scales + pv.template swizzled_scale_offset<R::kScales>(row, s))
+                << (8 * i);
+      }
+      raw.scales[w] = word;
+    }
+  }
+}
+
+// The codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8 dims per
+// 16-byte store.
+template <int kHead>
+__device__ __forceinline__ void convert_vector(const RawVector<kHead>& raw, uint16_t* dst) {
+  using R = RaggedShape<kHead>;
+#pragma unroll
+  for (int pair = 0; pair < R::kScaleBytes / 2; ++pair) {
+    const uint32_t two = raw.scales[pair / 2] >> (16 * (pair % 2));
+    const uint32_t scale2 = e4m3x2_to_f16x2_x128(two);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // block 2 pair + half: code words 4 pair + 2 half, +1
+      const uint32_t scale = prmt(scale2, scale2, half ? 0x3232 : 0x1010);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int w = 4 * pair + 2 * half + k;
+        uint32_t r[4];
+        e2m1x8_to_f16x2(raw.codes[w], r);
+        *reinterpret_cast<uint4*>(dst + 8 * w) =
+            make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
+                       hmul2(r[3], scale));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// The kernel.
+
+template <int kHead, bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kThreads, 2)
+    RaggedKernel(const RaggedProblem p, const RaggedGrid grid) {
+  using R = RaggedShape<kHead>;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint16_t* q_smem = reinterpret_cast<uint16_t*>(smem);
+  uint16_t* kv_smem = reinterpret_cast<uint16_t*>(smem + R::kQBytes);  // [buffer][K, V][kKv][kStride]
+  float* merge_smem = reinterpret_cast<float*>(smem + R::kQBytes);     // after the loop
+  int32_t* row_end = reinterpret_cast<int32_t*>(smem + R::kQBytes + R::kKvBytes);
+  float* row_scale = reinterpret_cast<float*>(row_end + kRows);
+  int32_t* row_q = row_end + 2 * kRows;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+  const int32_t kv_head = blockIdx.y;
+  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
+  const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
+  const int32_t group = int32_t(grid.group.divisor);
+  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
+  const int32_t ns =
+      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
+  const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
+  const int32_t slot = blockIdx.x;
+
+  if (slot >= grid.tile_slots) {
+    // Zeros for the tokens of this slot's 64 that no sequence owns.
+    int32_t first, last;
+    owned_tokens(cu, ns, num_tokens, lane, &first, &last);
+    const int32_t t0 = (slot - grid.tile_slots) * 64;
+    const int32_t count = min(64, num_tokens - t0) * group;
+    for (int32_t i = threadIdx.x; i < count * kHead; i += kThreads) {
+      const int32_t r = i / kHead, d = i % kHead;
+      const int32_t t = t0 + r / group;
+      if (t >= first && t < last) continue;
+      const int64_t row = member_rows + int64_t(t) * p.num_q_heads + kv_head * group + r % group;
+      write_empty(p, row, split, d, kHead);
+    }
+    return;
+  }
+
+  TileWork work;
+  if (!find_tile(cu, ns, num_tokens, group, slot, lane, &work)) return;
+
+  // The tile's rows: row r is row row0 + r of the sequence, i.e. query token j = (row0 + r) /
+  // group, query head kv_head * group + (row0 + r) % group; it sees positions < its end.
+  const int32_t rows_seq = work.q_len * group;
+  const int32_t row0 = work.tile * kRows;
+  const int rows_here = min(kRows, rows_seq - row0);
+  const int32_t block_size = int32_t(grid.block_size.divisor);
+  const int32_t capacity = p.max_blocks * block_size;
+  const int32_t kv_len =
+      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq), 0);
+  const auto row_limit = [&](int32_t j) {  // positions query j attends to
+    return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
+  };
+  const int32_t begin = split * p.tokens_per_split;
+  const int32_t split_end = int32_t(min(int64_t(begin) + p.tokens_per_split, int64_t(capacity)));
+  const int32_t last_end = min(row_limit(grid.group.div(uint32_t(row0 + rows_here - 1))), split_end);
+  const auto q_row_of = [&](int r) {  // the row's index among the member's [T, Hq] rows
+    uint32_t head;
+    const uint32_t j = grid.group.divmod(uint32_t(row0 + r), &head);
+    return member_rows + int64_t(work.start + int32_t(j)) * p.num_q_heads + kv_head * group +
+           int32_t(head);
+  };
+
+  if (begin >= last_end) {  // nothing to attend to in this split
+    for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads)
+      write_empty(p, q_row_of(i / kHead), split, i % kHead, kHead);
+    return;
+  }
+
+  // q into shared memory: two threads per row, fp16 after the row's power-of-two scale, head
+  // dims permuted like the converted K; the row's end and score scale beside it.
+  {
+    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const bool valid = r < rows_here;
+    constexpr int kDims = kHead / 2;
+    const int64_t q_row = valid ? q_row_of(r) : 0;
+    const int64_t q_at = q_row * kHead + half * kDims;
+    // Two passes over the row's half (the second from L1): its amax, then the fp16 values.
+    float amax = 0.f;
+    if (valid) {
+#pragma unroll 4
+      for (int i = 0; i < kDims; i += 8) {
+        float v[8];
+        load_q8(p.q, p.q_type, q_at + i, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+      }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    const int exponent = q_exponent(amax);
+    uint16_t* dst = q_smem + r * R::kStride + half * kDims;
+#pragma unroll 4
+    for (int i = 0; i < kDims; i += 8) {
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (valid) load_q8(p.q, p.q_type, q_at + i, v);
+      *reinterpret_cast<uint4*>(dst + i) = make_uint4(
+          pack_f16x2(ldexpf(v[0], exponent), ldexpf(v[4], exponent)),
+          pack_f16x2(ldexpf(v[2], exponent), ldexpf(v[6], exponent)),
+          pack_f16x2(ldexpf(v[1], exponent), ldexpf(v[5], exponent)),
+          pack_f16x2(ldexpf(v[3], exponent), ldexpf(v[7], exponent)));
+    }
+    if (half == 0) {
+      const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+      const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+      row_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(row0 + r))), split_end) : 0;
+      row_scale[r] = ldexpf(k_scale * sm_scale * kLog2e, 7 - exponent);
+      row_q[r] = valid ? int32_t(q_row - member_rows) : -1;
+    }
+  }
+
+  // Warp roles: m-tile mt of the tile's rows, part kp of each step's positions.
+  constexpr int kMinRowWarps = kWarps / R::kPSteps;  // a part holds >= 16 positions
+  int row_warps = rows_here <= 16 ? 1 : rows_here <= 32 ? 2 : 4;
+  row_warps = max(row_warps, kMinRowWarps);
+  const int parts = kWarps / row_warps;
+  const int mt = warp % row_warps, kp = warp / row_warps;
+  const int part_len = R::kKv / parts;  // positions of a step this warp takes
+  const int kv0 = kp * part_len;
+  const bool has_rows = mt * 16 < rows_here;
+
+  // The pages: a thread loads one (position, side) head vector part per step.
+  PageView<kLayout> pv;
+  const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables +
+             ((p.tables_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
+  pv.num_kv_heads = num_kv_heads;
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.tile_in_page = false;
+  const int side = threadIdx.x / (kThreads / 2);
+  const int vector = (threadIdx.x % (kThreads / 2)) / R::kThreadsPerVector;  // position in step
+  const int part = threadIdx.x % R::kThreadsPerVector;
+  uint16_t* const convert_dst0 =
+      kv_smem + (side * R::kKv + vector) * R::kStride + part * R::kThreadDims;
+
+  const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
+  // The block-table entry of this thread's position one step ahead of its bytes.
+  const auto page_of = [&](int step) {
+    const uint32_t pos = uint32_t(begin + step * R::kKv + vector);
+    return pos < uint32_t(last_end) ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
+  };
+  RawVector<kHead> raw;
+  const auto load_step = [&](int step, int32_t page) {
+    const uint32_t pos = uint32_t(begin + step * R::kKv + vector);
+    if (pos < uint32_t(last_end)) {
+      uint32_t row;
+      grid.block_size.divmod(pos, &row);
+      load_vector<kHead, kSwizzle>(raw, pv, page, row, side, part);
+    } else {
+#pragma unroll
+      for (int w = 0; w < R::kCodeWords; ++w) raw.codes[w] = 0;
+#pragma unroll
+      for (int w = 0; w < R::kScaleBytes / 4; ++w) raw.scales[w] = 0;
+    }
+  };
+  load_step(0, page_of(0));
+  int32_t page_ahead = page_of(1);
+
+  __syncthreads();  // q and the row data
+
+  uint32_t qf[R::kQInRegisters ? R::kKSteps : 1][4];
+  if constexpr (R::kQInRegisters) {
+#pragma unroll
+    for (int k = 0; k < R::kKSteps; ++k)
+      ldmatrix_x4(qf[k], q_smem + (mt * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
+  }
+  const int my_row0 = mt * 16 + g;
+  const int32_t limit[2] = {has_rows ? row_end[min(my_row0, kRows - 1)] : 0,
+                            has_rows ? row_end[min(my_row0 + 8, kRows - 1)] : 0};
+  const float score_scale[2] = {row_scale[min(my_row0, kRows - 1)],
+                                row_scale[min(my_row0 + 8, kRows - 1)]};
+  // The smallest end among this warp's rows: steps below it need no mask.
+  int32_t warp_min_end = INT_MAX;
+  if (has_rows) {
+    const int r = mt * 16 + (lane & 15);
+    warp_min_end = r < rows_here ? row_end[r] : INT_MAX;
+#pragma unroll
+    for (int d = 8; d > 0; d /= 2)
+      warp_min_end = min(warp_min_end, __shfl_xor_sync(kFullMask, warp_min_end, d));
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[R::kOTiles][4];
+#pragma unroll
+  for (int t = 0; t < R::kOTiles; ++t)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o[t][c] = 0.f;
+
+#pragma unroll 1
+  for (int step = 0; step < num_steps; ++step) {
+    uint16_t* buffer = kv_smem + (step & 1) * 2 * R::kTileHalves;
+    convert_vector<kHead>(raw, convert_dst0 + (step & 1) * 2 * R::kTileHalves);
+    if (step + 1 < num_steps) {
+      load_step(step + 1, page_ahead);
+      page_ahead = page_of(step + 2);
+    }
+    __syncthreads();
+    if (!has_rows) continue;
+    const uint16_t* k_tile = buffer;
+    const uint16_t* v_tile = buffer + R::kTileHalves;
+    const int32_t step_base = begin + step * R::kKv;
+
+    // S = Q K^T over this warp's positions.
+    float s[R::kSTiles][4];
+#pragma unroll
+    for (int t = 0; t < R::kSTiles; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s[t][c] = 0.f;
+#pragma unroll
+    for (int k = 0; k < R::kKSteps; k += 2) {
+      uint32_t a0[4], a1[4];
+      if constexpr (R::kQInRegisters) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) a0[c] = qf[k][c], a1[c] = qf[k + 1][c];
+      } else {
+        const uint16_t* q_at = q_smem + (mt * 16 + (lane & 15)) * R::kStride + (lane >> 4) * 8;
+        ldmatrix_x4(a0, q_at + 16 * k);
+        ldmatrix_x4(a1, q_at + 16 * (k + 1));
+      }
+#pragma unroll
+      for (int t = 0; t < R::kSTiles; ++t) {
+        if (t * 8 >= part_len) break;
+        uint32_t b[4];
+        ldmatrix_x4(b, k_tile + (kv0 + 8 * t + (lane & 7)) * R::kStride + 16 * k + (lane >> 3) * 8);
+        mma_16816(s[t], a0, b[0], b[1]);
+        mma_16816(s[t], a1, b[2], b[3]);
+      }
+    }
+
+    // Online softmax (rows g and g + 8 of the m-tile; a row's 4 lanes share its max).
+    const bool masked = step_base + kv0 + part_len > warp_min_end;
+    float top[2] = {m[0], m[1]};
+#pragma unroll
+    for (int t = 0; t < R::kSTiles; ++t) {
+      if (t * 8 >= part_len) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float x = s[t][c] * score_scale[c >> 1];
+        if (masked && step_base + kv0 + 8 * t + 2 * qd + (c & 1) >= limit[c >> 1]) x = -INFINITY;
+        s[t][c] = x;
+        top[c >> 1] = fmaxf(top[c >> 1], x);
+      }
+    }
+    float alpha[2], offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
+      offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
+      alpha[h] = exp2_approx(m[h] - offset[h]);
+      m[h] = top[h];
+      l[h] *= alpha[h];
+    }
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int t = 0; t < R::kOTiles; ++t)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) o[t][c] *= alpha[c >> 1];
+    }
+#pragma unroll
+    for (int t = 0; t < R::kSTiles; ++t) {
+      if (t * 8 >= part_len) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
+        l[c >> 1] += s[t][c];
+      }
+    }
+
+    // O += P V: P from the S accumulators (the A fragment of 16 positions is two n-tiles).
+#pragma unroll
+    for (int k = 0; k < R::kPSteps; ++k) {
+      if (k * 16 >= part_len) break;
+      const uint32_t a[4] = {pack_f16x2(s[2 * k][0], s[2 * k][1]),
+                             pack_f16x2(s[2 * k][2], s[2 * k][3]),
+                             pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]),
+                             pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3])};
+      const uint16_t* v_at =
+          v_tile + (kv0 + 16 * k + (lane & 7) + ((lane >> 3) & 1) * 8) * R::kStride +
+          (lane >> 4) * 8;
+#pragma unroll
+      for (int t = 0; t < R::kOTiles; t += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, v_at + 8 * t);
+        mma_16816(o[t], a, b[0], b[1]);
+        mma_16816(o[t + 1], a, b[2], b[3]);
+      }
+    }
+  }
+
+  // The row sums over the row's 4 lanes.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+  }
+
+  // Merge the warps of each m-tile (one, two or four) through shared memory, then write each
+  // row's result, dims in true order (coalesced).
+  __syncthreads();  // the K/V buffers are free
+  float* m_smem = merge_smem;                      // [warp][16]
+  float* l_smem = merge_smem + kWarps * 16;        // [warp][16]
+  float* o_smem = merge_smem + 2 * kWarps * 16;    // [warp][16][kHead]
+  if (has_rows) {
+    if (qd == 0) {
+      m_smem[warp * 16 + g] = m[0], m_smem[warp * 16 + g + 8] = m[1];
+      l_smem[warp * 16 + g] = l[0], l_smem[warp * 16 + g + 8] = l[1];
+    }
+    const int dim = permuted_dim_even(qd);
+#pragma unroll
+    for (int t = 0; t < R::kOTiles; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        o_smem[(warp * 16 + g + 8 * (c >> 1)) * kHead + 8 * t + dim + 4 * (c & 1)] = o[t][c];
+  }
+  __syncthreads();
+
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads) {
+    const int r = i / kHead, d = i % kHead;
+    const int tile_warp = r / 16, rr = r % 16;
+    float top = -INFINITY;
+    for (int k = 0; k < parts; ++k) top = fmaxf(top, m_smem[(tile_warp + k * row_warps) * 16 + rr]);
+    float sum = 0.f, acc = 0.f;
+    if (top != -INFINITY) {
+      for (int k = 0; k < parts; ++k) {
+        const int w = tile_warp + k * row_warps;
+        const float weight = exp2_approx(m_smem[w * 16 + rr] - top);
+        sum += weight * l_smem[w * 16 + rr];
+        acc += weight * o_smem[(w * 16 + rr) * kHead + d];
+      }
+    }
+    const int64_t row = member_rows + row_q[r];
+    if (!(sum > 0.f)) {
+      write_empty(p, row, split, d, kHead);
+      continue;
+    }
+    const float value = acc / sum, lse2 = top + __log2f(sum);
+    if (p.num_splits == 1) {
+      store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
+      if (d == 0) p.lse[row] = lse2 * kLn2;
+    } else {
+      p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+      if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+    }
+  }
+}
+
+// Combines the splits of each (member, token, query head) row.
+template <int kHead>
+__global__ void __launch_bounds__(kHead) RaggedMergeKernel(const RaggedProblem p) {
+  const int64_t row = blockIdx.x;
+  const int32_t member = int32_t(row / (int64_t(p.num_tokens) * p.num_q_heads));
+  const int d = threadIdx.x;
+  float lse2;
+  const float value = merge_splits(p.partial_lse + row * p.num_splits,
+                                   p.partial_out + row * p.num_splits * kHead, kHead,
+                                   p.num_splits, d, &lse2);
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
+  if (d == 0) p.lse[row] = lse2 * kLn2;
+}
+
+// Slots of the grid's x axis: query tiles (an upper bound whatever cu_q_lens holds), then the
+// zero fill of unowned tokens, 64 tokens a slot.
+int64_t TileSlots(const RaggedProblem& p) {
+  const int64_t group = p.num_q_heads / p.page.num_kv_heads;
+  return (int64_t(p.num_tokens) * group + kRows - 1) / kRows +
+         std::min<int64_t>(p.max_num_seqs, p.num_tokens);
+}
+int64_t FillSlots(const RaggedProblem& p) { return (int64_t(p.num_tokens) + 63) / 64; }
+
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
+  using R = RaggedShape<kHead>;
+  const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
+  // More than 48 KB of dynamic shared memory needs the function's limit raised (a host-side
+  // attribute of the current device's module: set on every launch, so every device has it).
+  const cudaError_t configured = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmemBytes);
+  if (configured != cudaSuccess) return configured;
+  const RaggedGrid grid{int32_t(TileSlots(p)),
+                        FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
+                        FastDivmod(uint32_t(p.page.block_size))};
+  const dim3 blocks(uint32_t(TileSlots(p) + FillSlots(p)), uint32_t(p.page.num_kv_heads),
+                    uint32_t(p.stacked * p.num_splits));
+  kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess || p.num_splits == 1) return error;
+  RaggedMergeKernel<kHead>
+      <<<uint32_t(int64_t(p.stacked) * p.num_tokens * p.num_q_heads), kHead, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int kHead>
+cudaError_t LaunchForOptions(cudaStream_t stream, const RaggedProblem& p) {
+  const bool hnd = p.page.layout == Layout::kHND;
+  if (p.page.v_scale_swizzle)
+    return hnd ? Launch<kHead, true, Layout::kHND>(stream, p)
+               : Launch<kHead, true, Layout::kNHD>(stream, p);
+  return hnd ? Launch<kHead, false, Layout::kHND>(stream, p)
+             : Launch<kHead, false, Layout::kNHD>(stream, p);
+}
+
+ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+                      ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
+                      ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
+                      ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                      ffi::Buffer<ffi::F32> sm_scale, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout,
+                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split) {
+  RaggedProblem p;
+  ffi::Error error = MakeRaggedProblem(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs,
+                                       k_scale, v_scale, sm_scale, out, lse, partial_out,
+                                       partial_lse, layout, v_scale_swizzle, num_splits,
+                                       tokens_per_split, &p);
+  if (error.failure()) return error;
+  if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
+  if (p.num_blocks == 0 && p.max_blocks > 0)
+    return RaggedArgumentError("kv_cache has no pages but block_tables has columns");
+  if (TileSlots(p) + FillSlots(p) >= (int64_t(1) << 31))
+    return RaggedArgumentError("more than 2^31 CTAs");
+  cudaError_t launched;
+  switch (p.page.head_size) {
+    case 64: launched = LaunchForOptions<64>(stream, p); break;
+    case 128: launched = LaunchForOptions<128>(stream, p); break;
+    default: launched = LaunchForOptions<256>(stream, p); break;
+  }
+  if (launched != cudaSuccess)
+    return CudaError("ragged_paged_attention", "kernel launch", launched);
+  return ffi::Error::Success();
+}
+
+template <int kHead>
+int ResidentCtas() {
+  using R = RaggedShape<kHead>;
+  const auto kernel = RaggedKernel<kHead, true, Layout::kHND>;
+  int ctas = 0;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           R::kSmemBytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, R::kSmemBytes) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ctas;
+}
+
+}  // namespace
+
+int RaggedResidentCtasPerSm(int head_size) {
+  switch (head_size) {
+    case 64: return ResidentCtas<64>();
+    case 128: return ResidentCtas<128>();
+    case 256: return ResidentCtas<256>();
+    default: return 0;
+  }
+}
+
+}  // namespace nvfp4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    NvFp4RaggedAttentionCuda, nvfp4::RaggedCuda,
+    nvfp4::BindRagged(xla::ffi::Ffi::Bind().Ctx<xla::ffi::PlatformStream<cudaStream_t>>()),
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,181 @@
+// XLA FFI side of the ragged paged-attention kernel (ragged_cuda.cu): the call's buffers and
+// attributes read into a RaggedProblem, re-checking what jax_nvfp4/ragged_primitive.py
+// validated, so that a malformed call returns an error instead of reading out of bounds.
+//
+// Operands (the primitive's canonical form, L = stacked layers or head groups, 1 for a plain
+// call; S = max_num_seqs, T = num_tokens): q [L, T, Hq, D] bf16/f16/f32; kv_cache
+// [L, num_blocks, 2, ...] uint8 in either layout; block_tables [1 or L, S, M], seq_lens
+// [1 or L, S], cu_q_lens [1 or L, S + 1], num_seqs [1 or L] int32; k_scale, v_scale, sm_scale
+// float32 [1 or L]. Results: out [L, T, Hq, D] (q's dtype), lse [L, T, Hq] float32, and the
+// split-KV workspace partial_out [L, T, Hq, P, D], partial_lse [L, T, Hq, P] float32
+// (P = num_splits, or 0 when num_splits == 1).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "ffi_checks.h"
+#include "nvfp4_numerics.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nvfp4 {
+
+namespace ffi = xla::ffi;
+
+// Name of the FFI target; jax_nvfp4/ragged_primitive.py registers the handler under it.
+inline constexpr const char kRaggedTarget[] = "jax_nvfp4_ragged_paged_attention";
+
+struct RaggedProblem {
+  const void* q;
+  const uint8_t* kv_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* cu_q_lens;
+  const int32_t* num_seqs;
+  const float* k_scale;
+  const float* v_scale;
+  const float* sm_scale;
+  void* out;
+  float* lse;
+  float* partial_out;
+  float* partial_lse;
+  QType q_type;
+  int32_t stacked;          // L
+  int32_t num_tokens;       // T
+  int32_t num_q_heads;      // Hq
+  int32_t max_num_seqs;     // S
+  int32_t num_blocks;       // pages per member
+  int32_t max_blocks;       // M, columns of block_tables
+  int32_t tables_stacked;   // 1 when block_tables has a row per member, 0 when shared
+  int32_t lens_stacked;     // likewise for seq_lens, cu_q_lens, num_seqs and each scale
+  int32_t cu_stacked;
+  int32_t num_seqs_stacked;
+  int32_t k_scale_stacked;
+  int32_t v_scale_stacked;
+  int32_t sm_scale_stacked;
+  int32_t num_splits;
+  int32_t tokens_per_split;
+  PageGeometry page;
+};
+
+inline ffi::Error RaggedArgumentError(const std::string& message) {
+  return ArgumentError("ragged_paged_attention", message);
+}
+
+inline ffi::Error MakeRaggedProblem(
+    ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+    ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::F32> k_scale,
+    ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> sm_scale,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+    ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
+    ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout, bool v_scale_swizzle,
+    int32_t num_splits, int32_t tokens_per_split, RaggedProblem* p) {
+  const auto q_dims = q.dimensions();
+  const auto cache_dims = kv_cache.dimensions();
+  const auto table_dims = block_tables.dimensions();
+  const auto len_dims = seq_lens.dimensions();
+  const auto cu_dims = cu_q_lens.dimensions();
+  if (q_dims.size() != 4) return RaggedArgumentError("q must have rank 4 [L, T, Hq, D]");
+  if (cache_dims.size() != 6) return RaggedArgumentError("kv_cache must have rank 6");
+  if (table_dims.size() != 3 || len_dims.size() != 2 || cu_dims.size() != 2 ||
+      num_seqs.dimensions().size() != 1)
+    return RaggedArgumentError(
+        "block_tables must have rank 3, seq_lens and cu_q_lens rank 2, num_seqs rank 1");
+  if (!ReadQType(q.element_type(), &p->q_type))
+    return RaggedArgumentError("q must be bfloat16, float16 or float32");
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
+    return RaggedArgumentError("out must have q's dtype and shape");
+
+  const int64_t stacked = q_dims[0], num_tokens = q_dims[1], num_q_heads = q_dims[2];
+  const int64_t head_size = q_dims[3];
+  if (head_size != 64 && head_size != 128 && head_size != 256)
+    return RaggedArgumentError("the kernel supports head sizes 64, 128 and 256");
+  const std::string page_error =
+      ReadPageGeometry(cache_dims, 2, layout, head_size, v_scale_swizzle, &p->page);
+  if (!page_error.empty()) return RaggedArgumentError(page_error);
+  if (num_q_heads % p->page.num_kv_heads != 0)
+    return RaggedArgumentError("num_q_heads must be a multiple of num_kv_heads");
+  if (cache_dims[0] != stacked) return RaggedArgumentError("kv_cache shape does not match q");
+  const int64_t max_num_seqs = table_dims[1];
+  const auto leading_ok = [stacked](int64_t n) { return n == 1 || n == stacked; };
+  if (!leading_ok(table_dims[0]) || !leading_ok(len_dims[0]) || len_dims[1] != max_num_seqs ||
+      !leading_ok(cu_dims[0]) || cu_dims[1] != max_num_seqs + 1 ||
+      !leading_ok(int64_t(num_seqs.element_count())))
+    return RaggedArgumentError("block_tables/seq_lens/cu_q_lens/num_seqs shapes do not match");
+  for (const auto* scale : {&k_scale, &v_scale, &sm_scale}) {
+    if (!leading_ok(int64_t(scale->element_count())))
+      return RaggedArgumentError("scales must hold 1 or L values");
+  }
+  if (num_splits < 1 || num_splits > 65535 / stacked || tokens_per_split <= 0 ||
+      tokens_per_split % 64 != 0 ||
+      int64_t(num_splits) * tokens_per_split < table_dims[2] * p->page.block_size)
+    return RaggedArgumentError(
+        "num_splits x tokens_per_split (a multiple of 64) must cover the block table");
+  const int64_t partial = num_splits > 1 ? num_splits : 0;
+  const int64_t rows = stacked * num_tokens * num_q_heads;
+  if (lse->element_count() != size_t(rows) ||
+      partial_out->element_count() != size_t(rows * partial * head_size) ||
+      partial_lse->element_count() != size_t(rows * partial))
+    return RaggedArgumentError("result shapes do not match q and num_splits");
+  constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
+  if (rows * head_size > kLimit || rows * partial * head_size > kLimit ||
+      cache_dims[1] > kLimit || table_dims[2] * p->page.block_size > kLimit ||
+      max_num_seqs + 1 > kLimit || p->page.num_kv_heads > 65535)
+    return RaggedArgumentError("sizes beyond 2^31 (or more than 65535 kv heads)");
+
+  p->q = q.untyped_data();
+  p->kv_cache = kv_cache.typed_data();
+  p->block_tables = block_tables.typed_data();
+  p->seq_lens = seq_lens.typed_data();
+  p->cu_q_lens = cu_q_lens.typed_data();
+  p->num_seqs = num_seqs.typed_data();
+  p->k_scale = k_scale.typed_data();
+  p->v_scale = v_scale.typed_data();
+  p->sm_scale = sm_scale.typed_data();
+  p->out = out->untyped_data();
+  p->lse = lse->typed_data();
+  p->partial_out = partial_out->typed_data();
+  p->partial_lse = partial_lse->typed_data();
+  p->stacked = int32_t(stacked);
+  p->num_tokens = int32_t(num_tokens);
+  p->num_q_heads = int32_t(num_q_heads);
+  p->max_num_seqs = int32_t(max_num_seqs);
+  p->num_blocks = int32_t(cache_dims[1]);
+  p->max_blocks = int32_t(table_dims[2]);
+  p->tables_stacked = table_dims[0] == stacked && stacked > 1;
+  p->lens_stacked = len_dims[0] == stacked && stacked > 1;
+  p->cu_stacked = cu_dims[0] == stacked && stacked > 1;
+  p->num_seqs_stacked = num_seqs.element_count() > 1;
+  p->k_scale_stacked = k_scale.element_count() > 1;
+  p->v_scale_stacked = v_scale.element_count() > 1;
+  p->sm_scale_stacked = sm_scale.element_count() > 1;
+  p->num_splits = num_splits;
+  p->tokens_per_split = tokens_per_split;
+  return ffi::Error::Success();
+}
+
+template <typename Binding>
+auto BindRagged(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::AnyBuffer>()           // q
+      .template Arg<ffi::Buffer<ffi::U8>>()     // kv_cache (read only)
+      .template Arg<ffi::Buffer<ffi::S32>>()    // block_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()    // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()    // cu_q_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()    // num_seqs
+      .template Arg<ffi::Buffer<ffi::F32>>()    // k_scale
+      .template Arg<ffi::Buffer<ffi::F32>>()    // v_scale
+      .template Arg<ffi::Buffer<ffi::F32>>()    // sm_scale
+      .template Ret<ffi::AnyBuffer>()           // out
+      .template Ret<ffi::Buffer<ffi::F32>>()    // lse
+      .template Ret<ffi::Buffer<ffi::F32>>()    // partial_out (split-KV workspace)
+      .template Ret<ffi::Buffer<ffi::F32>>()    // partial_lse
+      .template Attr<int32_t>("layout")
+      .template Attr<bool>("v_scale_swizzle")
+      .template Attr<int32_t>("num_splits")
+      .template Attr<int32_t>("tokens_per_split");
+}
+
+}  // namespace nvfp4

@@ -1,0 +1,370 @@
+"""Ragged paged attention over an NVFP4 cache as a JAX primitive: abstract evaluation, lowering
+per platform, batching and partitioning rules, side by side (the multi-token twin of
+attention_primitive.py).
+
+``ragged_p`` works on one canonical form with a leading stacked axis ``L`` (layers or head
+groups; ``L = 1`` for a plain call):
+
+* q ``[L, num_tokens, num_q_heads, head_size]``, kv_cache ``[L, num_blocks, 2, ...]`` (uint8),
+* block_tables ``[1 or L, max_num_seqs, max_blocks_per_seq]``, seq_lens ``[1 or L,
+  max_num_seqs]``, cu_q_lens ``[1 or L, max_num_seqs + 1]`` and num_seqs ``[1 or L]`` (int32),
+* k_scale, v_scale, sm_scale: float32 ``[1 or L]``,
+
+and returns ``(out [L, num_tokens, num_q_heads, head_size] in q's dtype, lse [L, num_tokens,
+num_q_heads] float32)``.
+
+Lowering: on CUDA the kernel of ``ffi/ragged_cuda.cu`` (FFI target
+``jax_nvfp4_ragged_paged_attention``) for head sizes 64, 128 and 256; elsewhere, and for other
+head sizes, the jnp path (:func:`jax_nvfp4.reference.ragged_paged_attention`). Under a
+multi-device ``jit`` the kernel call is wrapped in custom partitioning: the stacked axis splits
+with no communication, every other axis is replicated (the token axis cannot split on its own:
+a sequence's query tokens and its pages go together). The cache is only read.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import attention_primitive as _decode
+from . import checks
+from . import layout as _layout
+from . import partitioning as _partitioning
+from . import reference as _reference
+from .primitive import _ffi, require_devices_during_lowering
+
+#: Name of the FFI target (same string as ffi/ragged_ffi.h).
+RAGGED_TARGET = _ffi.RAGGED_TARGET
+#: Head sizes the CUDA kernel is compiled for.
+KERNEL_HEAD_SIZES = _decode.KERNEL_HEAD_SIZES
+
+#: Query rows (query tokens x query heads of one kv head) of one CTA (ffi/ragged_cuda.cu).
+ROWS_PER_CTA = 64
+#: Positions a CTA converts per step; a split is a multiple of it (ffi/ragged_cuda.cu).
+KV_TILE = 64
+#: CTAs per SM when the GPU cannot be asked (shared memory decides: ffi/ragged_cuda.cu).
+_DEFAULT_CTAS_PER_SM = 2
+#: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
+MAX_WORKSPACE_BYTES = 256 << 20
+
+if _ffi.built_with_cuda():
+    jax.ffi.register_ffi_target(RAGGED_TARGET, _ffi.ragged_registrations()["CUDA"],
+                                platform="CUDA")
+
+ragged_p = Primitive("nvfp4_ragged_paged_attention")
+ragged_p.multiple_results = True
+
+_STATIC = ("layout", "v_scale_swizzle", "impl")
+
+
+def _bind_under_jit(*args, **params):
+    return ragged_p.bind(*args, **params)
+
+
+ragged_p.def_impl(jax.jit(_bind_under_jit, static_argnames=_STATIC))
+
+
+@ragged_p.def_abstract_eval
+def _abstract_eval(q, *args, layout, v_scale_swizzle, impl):
+    del args, layout, v_scale_swizzle, impl
+    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(q.shape[:3], jnp.float32)
+
+
+def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
+         *, layout, v_scale_swizzle, impl):
+    """One (validated) call in the form users have: q ``[num_tokens, Hq, D]``, one layer's
+    cache, block_tables ``[S, M]``, seq_lens ``[S]``, cu_q_lens ``[S + 1]``, scalar num_seqs
+    and scales. Returns ``(out, lse)``."""
+    lead = lambda x: jnp.reshape(x, (1,) + tuple(x.shape))  # noqa: E731
+    ints = (checks.to_int32(x) for x in (block_tables, seq_lens, cu_q_lens))
+    out, lse = ragged_p.bind(
+        lead(q), lead(kv_cache), *(lead(x) for x in ints),
+        jnp.reshape(checks.to_int32(num_seqs), (1,)),
+        *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in (k_scale, v_scale, sm_scale)),
+        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl)
+    return out[0], lse[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The jnp path on the canonical form.
+
+
+def _jnp_canonical(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+                   sm_scale, *, layout, v_scale_swizzle):
+    stacked = q.shape[0]
+
+    def one(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+            sm_scale):
+        return _reference.ragged_paged_attention(
+            q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+            layout=layout, v_scale_swizzle=v_scale_swizzle, sm_scale=sm_scale, return_lse=True)
+
+    args = (q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+            sm_scale)
+    if stacked == 1:
+        out, lse = one(*(a[0] for a in args))
+        return out[None], lse[None]
+    in_axes = tuple(0 if a.shape[0] == stacked else None for a in args)
+    args = tuple(a if axis == 0 else a[0] for a, axis in zip(args, in_axes))
+    return jax.vmap(one, in_axes=in_axes)(*args)
+
+
+def _jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+    if impl == "kernel":
+        raise ValueError(
+            "ragged_paged_attention(impl='kernel') needs the CUDA kernel on a GPU; this "
+            "computation runs on a platform without it. Use impl='auto' (the kernel where it "
+            "exists, the jnp path elsewhere) or impl='jnp'.")
+    fun = functools.partial(_jnp_canonical, layout=layout, v_scale_swizzle=v_scale_swizzle)
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernel.
+
+
+def kernel_supports(head_size: int) -> bool:
+    """Whether the CUDA kernel covers this geometry (every layout, block size and GQA group)."""
+    return _ffi.built_with_cuda() and head_size in KERNEL_HEAD_SIZES
+
+
+def _resident_ctas(head_size: int) -> int:
+    try:
+        return int(_ffi.ragged_resident_ctas_per_sm(head_size)) or _DEFAULT_CTAS_PER_SM
+    except (AttributeError, RuntimeError):
+        return _DEFAULT_CTAS_PER_SM
+
+
+def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
+    """CTAs (per kv head, stacked member and split) the kernel's grid has for query tiles: an
+    upper bound on ``sum_b ceil(q_len_b * group / ROWS_PER_CTA)`` whatever ``cu_q_lens`` holds
+    (each sequence adds at most one partial tile). Slots past the real tiles exit at once."""
+    return -(-num_tokens * group // ROWS_PER_CTA) + min(max_num_seqs, num_tokens)
+
+
+def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: int,
+                num_q_heads: int, head_size: int, max_tokens: int, sm_count: int,
+                ctas_per_sm: int = _DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+    """Split-KV plan of the ragged kernel: ``(num_splits, tokens_per_split)``.
+
+    The work is counted as :func:`tile_slots` query tiles per kv head (the static bound: how
+    the query tokens fall into sequences is only known on the device), each over up to
+    ``max_tokens`` positions; :func:`jax_nvfp4.attention_primitive.plan_splits_for_units` picks
+    the splits. Few tiles over long contexts (speculative decoding, small batches) split;
+    prefill chunks fill the GPU with tiles and do not. The partial results of the splits
+    (float32 ``[L, num_tokens, num_q_heads, splits, head_size]``) are kept under
+    ``MAX_WORKSPACE_BYTES``.
+    """
+    group = num_q_heads // num_kv_heads
+    units = stacked * num_kv_heads * max(tile_slots(num_tokens, max_num_seqs, group), 1)
+    splits, per_split = _decode.plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm,
+                                                      KV_TILE)
+    row_bytes = stacked * num_tokens * num_q_heads * head_size * 4
+    while splits > 1 and splits * row_bytes > MAX_WORKSPACE_BYTES:
+        splits = max(splits // 2, 1)
+        per_split = -(-max(max_tokens, 1) // splits)
+        per_split = -(-per_split // KV_TILE) * KV_TILE
+        splits = -(-max(max_tokens, 1) // per_split)
+    if splits == 1:
+        per_split = max(-(-max(max_tokens, 1) // KV_TILE) * KV_TILE, KV_TILE)
+    return splits, per_split
+
+
+def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+                 sm_scale, layout, v_scale_swizzle):
+    """The FFI call on whatever (per-device) shapes it gets."""
+    geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
+    stacked, num_tokens, num_q_heads, head_size = q.shape
+    max_num_seqs, max_blocks = block_tables.shape[1:]
+    splits, tokens_per_split = plan_splits(
+        stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size,
+        max_blocks * geo.block_size, _decode._sm_count(), _resident_ctas(head_size))
+    partial = splits if splits > 1 else 0  # one split writes the output directly
+    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
+               jax.ShapeDtypeStruct(q.shape[:3] + (partial, head_size), jnp.float32),
+               jax.ShapeDtypeStruct(q.shape[:3] + (partial,), jnp.float32))
+    call = jax.ffi.ffi_call(RAGGED_TARGET, results)
+    out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
+                          v_scale, sm_scale, layout=np.int32(_layout.LAYOUTS.index(layout)),
+                          v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
+                          tokens_per_split=np.int32(tokens_per_split))
+    return out, lse
+
+
+def _cuda_lowering(ctx, q, *args, layout, v_scale_swizzle, impl):
+    head_size = ctx.avals_in[0].shape[-1]
+    if not kernel_supports(head_size):
+        if impl == "kernel":
+            raise ValueError(
+                f"ragged_paged_attention(impl='kernel'): the CUDA kernel covers head sizes "
+                f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
+                                          " and jax_nvfp4 was built without it")
+                + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
+        return _jnp_lowering(ctx, q, *args, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                             impl="auto")
+    fun = lambda *a: partitioned(_kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
+    return mlir.lower_fun(fun, multiple_results=True)(ctx, q, *args)
+
+
+mlir.register_lowering(ragged_p, _jnp_lowering)
+mlir.register_lowering(ragged_p, _cuda_lowering, platform="cuda")
+require_devices_during_lowering(ragged_p)
+
+
+def _jvp(primals, tangents, **params):
+    raise TypeError(
+        "jax_nvfp4.ragged_paged_attention over an NVFP4 cache is not differentiable (the cache "
+        "is quantised); apply jax.lax.stop_gradient to q and the scales.")
+
+
+ad.primitive_jvps[ragged_p] = _jvp
+
+
+# ---------------------------------------------------------------------------------------------
+# vmap: members of a stacked cache join the stacked axis (one launch); with one cache shared
+# by every member, one call per member (a loop: nothing is copied).
+
+
+_NOT_MAPPED = None
+
+
+def _batch(args, dims, *, layout, v_scale_swizzle, impl):
+    q = args[0]
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
+    stacked = q.shape[1 if dims[0] == 0 else 0]
+    params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+    if size == 0:
+        member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
+        return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
+                (0, 0))
+
+    def front(x, d):
+        if d is _NOT_MAPPED:
+            return jnp.broadcast_to(x, (size,) + x.shape)
+        return jnp.moveaxis(x, d, 0)
+
+    if dims[1] is _NOT_MAPPED:
+        # One cache for every member: a loop over the members, the cache closed over.
+        cache = args[1]
+        mapped = [i for i, d in enumerate(dims) if d is not _NOT_MAPPED]
+
+        def one(xs):
+            call = list(args)
+            call[1] = cache
+            for i, x in zip(mapped, xs):
+                call[i] = x
+            return tuple(ragged_p.bind(*call, **params))
+
+        out, lse = jax.lax.map(one, [front(args[i], dims[i]) for i in mapped])
+        return (out, lse), (0, 0)
+
+    def into_stack(x, d, shareable):
+        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
+            return x                                        # shared by every member and layer
+        x = front(x, d)
+        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
+            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
+        return x.reshape((size * stacked,) + x.shape[2:])
+
+    q2 = into_stack(q, dims[0], shareable=False)
+    cache2 = into_stack(args[1], dims[1], shareable=False)
+    rest = [into_stack(x, d, shareable=True) for x, d in zip(args[2:], dims[2:])]
+    out, lse = ragged_p.bind(q2, cache2, *rest, **params)
+    return (out.reshape((size, stacked) + out.shape[1:]),
+            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+
+
+batching.primitive_batchers[ragged_p] = _batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Partitioning: the stacked axis splits, everything else is replicated.
+
+_SPLITTABLE = ("stack",)
+
+
+def _factors(layout: str, shapes):
+    q, cache, tables, lens, cu, num_seqs, k_scale, v_scale, sm_scale = (tuple(s) for s in shapes)
+    stacked = q[0]
+
+    def lead(shape, name):
+        return "stack" if shape[0] == stacked else name
+
+    cache_axes = ("stack",) + tuple("c_" + a for a in _layout.CACHE_AXES[layout])
+    operands = (("stack", "tokens", "q_heads", "head_size"), cache_axes,
+                (lead(tables, "t_one"), "seqs", "pages"), (lead(lens, "l_one"), "seqs"),
+                (lead(cu, "u_one"), "seqs_1"), (lead(num_seqs, "n_one"),),
+                (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
+    results = (operands[0], operands[0][:3])
+    used = dict.fromkeys(f for op in operands for f in op)
+    replicated = tuple(f for f in used if f not in _SPLITTABLE)
+    return operands, results, replicated
+
+
+def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
+    del v_scale_swizzle, mesh, result_types
+    operands, results, replicated = _factors(layout, [tuple(t.shape) for t in operand_types])
+    text = (", ".join(" ".join(op) for op in operands) + " -> "
+            + ", ".join(" ".join(r) for r in results))
+    return text, {"need_replication_factors": replicated}
+
+
+def _plan(layout, shapes, cache_sharding):
+    """Specs of the operands and results: the stacked axis as the cache has it (never move the
+    cache), everything else replicated."""
+    operands, results, _ = _factors(layout, shapes)
+    stack = _partitioning.mesh_axes(
+        _partitioning.spec_entries(cache_sharding, len(shapes[1]))[0])
+
+    def spec(names):
+        return PartitionSpec(*(_partitioning.spec_entry(stack if f == "stack" else ())
+                               for f in names))
+
+    return [spec(op) for op in operands], [spec(r) for r in results]
+
+
+def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
+    del v_scale_swizzle, result_shape
+    _, results = _plan(layout, [a.shape for a in arg_shapes], arg_shapes[1].sharding)
+    return tuple(NamedSharding(mesh, s) for s in results)
+
+
+def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
+    del layout, v_scale_swizzle
+    out = user_shape[0]
+    entries = _partitioning.spec_entries(out.sharding, len(out.shape))
+    keep = PartitionSpec(entries[0], None, None, None)
+    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:3])))
+
+
+@functools.lru_cache(maxsize=None)
+def partitioned(body):
+    """``body(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
+    sm_scale, layout, v_scale_swizzle) -> (out, lse)`` under custom partitioning: each device
+    runs it on its own stacked members."""
+
+    def partition(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
+        del result_shape
+        operands, results = _plan(layout, [a.shape for a in arg_shapes], arg_shapes[1].sharding)
+        return (mesh, lambda *a: body(*a, layout, v_scale_swizzle),
+                tuple(NamedSharding(mesh, s) for s in results),
+                tuple(NamedSharding(mesh, s) for s in operands))
+
+    wrapped = custom_partitioning(body, static_argnums=(9, 10))
+    wrapped.def_partition(partition=partition,
+                          infer_sharding_from_operands=_infer_sharding_from_operands,
+                          propagate_user_sharding=_propagate_user_sharding,
+                          sharding_rule=_sharding_rule)
+    return wrapped
+
+
+__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "kernel_supports",
+           "plan_splits", "ragged_p", "tile_slots"]

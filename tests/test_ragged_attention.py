@@ -1,0 +1,426 @@
+"""Ragged paged attention (``jax_nvfp4.ragged_paged_attention``): several query tokens per
+sequence, causal, against dense float64 attention per query token, the decode reader, and
+itself under jit, vmap and checkify.
+
+Cases (tests/ragged_cases.py ``RaggedCase``) mix what a server sends in one call: decode tokens
+(q_len 1), speculative-decoding drafts (q_len 4), prefill chunks over cached prefixes, a whole
+prompt from scratch (q_len == kv_len), an empty sequence, then padding sequences whose tables,
+lengths and offsets are junk, and padding tokens nobody owns.
+
+CPU part: the jnp path (``impl="auto"`` on the CPU) against float64 within float32 arithmetic
+(and the output's rounding for bf16/fp16 q): the bounds of tests/test_attention.py, measured
+here too on jax 0.10.2 (float32 q: max |out - ref| / max|ref| per token <= 8.4e-7, relative L2
+<= 6.6e-7; lse <= 1.9e-6 absolute); one query token per sequence against ``paged_attention``
+bit for bit; the token plan's rules for invalid layouts; one compilation for changing
+``num_seqs``/``cu_q_lens``; ``checked=True``; errors; vmap.
+
+GPU part (``@pytest.mark.gpu``): the CUDA kernel against the jnp path run on the CPU over the
+same cache, with the decode kernel's bounds (tests/test_decode_kernel.py: same arithmetic, q and
+P rounded to fp16, K/V exact in fp16, float32 sums), over head sizes 64/128/256, both layouts,
+both V-scale orders, block sizes 8/12/16/32, GQA 1/4/8, the three q dtypes, split-KV plans and
+tiles of 16, 32 and 64 rows; one query token per sequence against the decode kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+import jax_nvfp4 as nv
+from jax_nvfp4 import ragged_primitive as rp
+from jax_nvfp4 import reference
+
+from attention_cases import Case, paged_attention_jit
+from ragged_cases import RaggedCase, ragged_jit, shared_case
+from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
+                                assert_lse_close, assert_out_close)
+
+F32_REL = 4e-6
+F32_LSE_ABS = 2e-5
+CPU = jax.devices("cpu")[0]
+
+#: (kv_len, q_len) of the mixed batch: decode, drafts, a chunk over a cached prefix, a prompt
+#: from scratch, a sequence with no query token, a chunk crossing pages at odd offsets.
+MIXED = ((37, 1), (50, 4), (70, 23), (21, 21), (9, 0), (33, 11), (16, 1))
+
+
+def _cpu(fn, *args, **kw):
+    with jax.default_device(CPU):
+        return fn(*args, **kw)
+
+
+def assert_matches_float64(out, ref, dtype, ends, rel=F32_REL, l2=2e-6):
+    """Per query token: within float32 arithmetic of the float64 reference (plus the output's
+    rounding for bf16/fp16); tokens that attend to nothing are exactly 0."""
+    out = _f64(out)
+    u = UNIT_ROUNDOFF[np.dtype(dtype).name] if np.dtype(dtype) != np.float32 else 0.0
+    for t in range(len(ref)):
+        if ends[t] == 0:
+            np.testing.assert_array_equal(out[t], 0.0, err_msg=f"token {t}")
+            continue
+        scale = np.abs(ref[t]).max()
+        excess = (np.abs(out[t] - ref[t]) - u * np.abs(ref[t])).max()
+        assert excess <= rel * scale, (t, excess / scale)
+        rel_l2 = np.linalg.norm(out[t] - ref[t]) / np.linalg.norm(ref[t])
+        assert rel_l2 < l2 + u, (t, rel_l2)
+
+
+# =============================================================================== CPU
+
+
+@pytest.mark.parametrize("layout,swizzle,ratio,dtype,bs", [
+    ("HND", True, 4, jnp.float32, 16),
+    ("NHD", False, 1, jnp.bfloat16, 12),
+    ("HND", False, 8, jnp.float16, 8),
+    ("NHD", True, 4, jnp.float32, 32),
+])
+def test_cpu_matches_dense_float64(layout, swizzle, ratio, dtype, bs):
+    case = shared_case(3, MIXED, layout=layout, v_scale_swizzle=swizzle, block_size=bs,
+                       head_size=64)
+    q = case.query(case.num_kv_heads * ratio, dtype, seed=ratio)
+    out, lse = _cpu(case.run, q, return_lse=True)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == q.shape[:2]
+    ref, ref_lse = case.reference(q, return_lse=True)
+    ends = case.token_ends()
+    assert_matches_float64(out, ref, dtype, ends)
+    assert_lse_close(lse, ref_lse, F32_LSE_ABS)
+
+
+def test_cpu_sm_scale_and_padding_tokens():
+    case = shared_case(5, MIXED, pad_tokens=9)
+    q = case.query(8, jnp.float32, seed=2)
+    out = _cpu(case.run, q, sm_scale=0.3)
+    assert_matches_float64(out, case.reference(q, sm_scale=0.3), jnp.float32, case.token_ends())
+    np.testing.assert_array_equal(np.asarray(out)[-9:], 0.0)
+
+
+def test_cpu_one_token_per_sequence_is_paged_attention_bit_for_bit():
+    """cu_q_lens = arange(batch + 1): the decode reader's results, outputs and lse."""
+    case = _cpu(Case, 11, lens=(1, 15, 16, 83, 40, 0), num_kv_heads=2, head_size=128)
+    batch = len(case.lens)
+    q = case.query(8, jnp.bfloat16, seed=4)
+    tables, lens = jnp.asarray(case.tables), jnp.asarray(case.lens, jnp.int32)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32)
+    out, lse = _cpu(ragged_jit, q, case.cache, tables, lens, cu, batch, case.k_scale,
+                    case.v_scale, return_lse=True)
+    ref, ref_lse = _cpu(paged_attention_jit, q, case.cache, tables, lens, case.k_scale,
+                        case.v_scale, return_lse=True)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+
+
+def test_token_plan_rules():
+    """Non-decreasing cu_q_lens inside [0, T] as given; otherwise its running maximum clamped
+    into [0, T] (one owner per token); num_seqs clamped; queries at negative positions and
+    tokens nobody owns attend to nothing; lengths past the table's capacity are clamped."""
+    plan = lambda cu, ns, lens, T, cap: tuple(np.asarray(x) for x in reference.ragged_token_plan(  # noqa: E731
+        jnp.asarray(cu, jnp.int32), jnp.asarray(ns, jnp.int32), jnp.asarray(lens, jnp.int32), T,
+        cap))
+    seq, end = plan([0, 3, 3, 7, 9], 3, [5, 2, 10, 4], 10, 64)
+    np.testing.assert_array_equal(seq[:7], [0, 0, 0, 2, 2, 2, 2])
+    np.testing.assert_array_equal(end, [3, 4, 5, 7, 8, 9, 10, 0, 0, 0])
+    # Decreasing, starting late, ending past T; q_len 6 over kv_len 5; kv_len past capacity 8.
+    seq, end = plan([2, 8, 5, 12, 9], 4, [5, 2, 10, 4], 10, 8)
+    np.testing.assert_array_equal(end, [0, 0, 0, 1, 2, 3, 4, 5, 8, 8])
+    np.testing.assert_array_equal(seq[2:], [0, 0, 0, 0, 0, 0, 2, 2])
+    # num_seqs beyond max_num_seqs is clamped; negative num_seqs owns nothing.
+    _, end = plan([0, 2, 4], 7, [3, 3], 5, 16)
+    np.testing.assert_array_equal(end, [2, 3, 2, 3, 0])
+    _, end = plan([0, 2, 4], -1, [3, 3], 5, 16)
+    np.testing.assert_array_equal(end, 0)
+
+
+def test_cpu_invalid_layouts_follow_the_plan():
+    """Whatever cu_q_lens and num_seqs hold, each token's result is that of the plan's
+    sequence and length (decode attention of its own)."""
+    case = shared_case(3, MIXED, head_size=64)
+    q = case.query(8, jnp.float32, seed=9)
+    T = case.num_tokens
+    cu = np.array(case.cu_q_lens)
+    cu[2] = cu[1] - 2               # decreasing
+    cu[4] = T + 5                   # past the end
+    for ns in (case.num_seqs, case.num_seqs + 5, 0):
+        args = list(case.args(q, num_seqs=ns))
+        args[4] = jnp.asarray(cu)
+        out = np.asarray(_cpu(ragged_jit, *args, **case.options))
+        seq, end = reference.ragged_token_plan(args[4], args[5], args[3], T, case.capacity)
+        ref = _cpu(paged_attention_jit, q, case.cache, jnp.asarray(case.tables)[seq], end,
+                   case.k_scale, case.v_scale, **case.options)
+        np.testing.assert_array_equal(out, np.asarray(ref))
+
+
+def test_one_compilation_for_changing_batches():
+    """num_seqs, cu_q_lens and seq_lens are device values: a new batch layout reuses the
+    compiled call."""
+    traces = []
+
+    @jax.jit
+    def step(*args):
+        traces.append(1)
+        return nv.ragged_paged_attention(*args)
+
+    case = shared_case(3, MIXED, head_size=64)
+    q = case.query(8, jnp.bfloat16)
+    for ns in (7, 3, 0, 9):
+        args = list(case.args(q, num_seqs=ns))
+        args[4] = args[4].at[1].set(ns % 3)
+        _cpu(step, *args)
+    assert len(traces) == 1
+
+
+def test_checked_reports_invalid_layouts():
+    case = shared_case(3, MIXED, head_size=64)
+    q = case.query(8, jnp.float32)
+    run = functools.partial(nv.ragged_paged_attention, **case.options, checked=True)
+
+    def error_of(**changes):
+        args = dict(zip(("q", "kv_cache", "block_tables", "seq_lens", "cu_q_lens", "num_seqs",
+                         "k_scale", "v_scale"), case.args(q)))
+        args.update(changes)
+        err, _ = _cpu(jax.jit(checkify.checkify(lambda a: run(**a))), args)
+        return err.get()
+
+    assert error_of() is None                        # padding rows hold junk: not checked
+    cu = np.array(case.cu_q_lens)
+    cu[3] = cu[2] - 1
+    assert "decreases" in error_of(cu_q_lens=jnp.asarray(cu))
+    lens = np.array(case.seq_lens)
+    lens[1] = 2                                      # 4 query tokens over 2 cached
+    assert "more query tokens than seq_lens[1]" in error_of(seq_lens=jnp.asarray(lens))
+    assert "num_seqs" in error_of(num_seqs=jnp.asarray(case.num_seqs + 3, jnp.int32))
+    cu = np.array(case.cu_q_lens)
+    cu[case.num_seqs] = case.num_tokens + 1
+    assert "num_tokens" in error_of(cu_q_lens=jnp.asarray(cu))
+    tables = np.array(case.tables)
+    tables[2, 0] = 10 ** 6
+    assert "block_tables[2, 0]" in error_of(block_tables=jnp.asarray(tables))
+    assert "k_scale" in error_of(k_scale=jnp.float32(0.0))
+
+
+def test_argument_errors_name_the_argument():
+    case = shared_case(3, MIXED, head_size=64)
+    q = case.query(8, jnp.float32)
+    args = case.args(q)
+
+    def raises(exc, match, *changes, **kw):
+        a = list(args)
+        for i, x in changes:
+            a[i] = x
+        with pytest.raises(exc, match=match):
+            nv.ragged_paged_attention(*a, **case.options, **kw)
+
+    raises(ValueError, "q must have shape \\[num_tokens", (0, q[0]))
+    raises(TypeError, "q must be", (0, q.astype(jnp.int32)))
+    raises(ValueError, "cu_q_lens must have shape", (4, args[4][:-1]))
+    raises(TypeError, "cu_q_lens must be an integer", (4, args[4].astype(jnp.float32)))
+    raises(ValueError, "num_seqs must have shape", (5, jnp.zeros((2,), jnp.int32)))
+    raises(ValueError, "seq_lens must have shape", (3, args[3][:-1]))
+    raises(ValueError, "block_tables must have shape", (2, args[2][0]))
+    raises(ValueError, "num_q_heads 5 must be a multiple", (0, q[:, :5]))
+    raises(ValueError, "cu_q_lens holds", (4, np.array([0, 2 ** 40] + [0] * 8, np.int64)))
+    raises(ValueError, "impl must be", impl="fast")
+    raises(TypeError, "checked must be a bool", checked=1)
+
+
+def test_impl_kernel_refuses_on_the_cpu():
+    case = shared_case(3, MIXED, head_size=64)
+    with pytest.raises(ValueError, match="needs the CUDA kernel"):
+        _cpu(case.run, case.query(8, jnp.float32), impl="kernel")
+
+
+def test_cpu_vmap_over_stacked_layers_and_over_q():
+    """vmap over a stacked cache (one primitive) and over q with one shared cache (a loop):
+    each member equals its own call."""
+    case = shared_case(3, MIXED, head_size=64)
+    qs = jnp.stack([case.query(8, jnp.float32, seed=s) for s in (1, 2)])
+    args = case.args(qs[0])
+    caches = jnp.stack([case.cache, case.cache])
+    f = lambda q, c: nv.ragged_paged_attention(q, c, *args[2:], **case.options)  # noqa: E731
+    stacked = _cpu(jax.jit(jax.vmap(f)), qs, caches)
+    shared = _cpu(jax.jit(jax.vmap(f, in_axes=(0, None))), qs, case.cache)
+    for i in range(2):
+        one = _cpu(jax.jit(f), qs[i], case.cache)
+        np.testing.assert_array_equal(np.asarray(stacked[i]), np.asarray(one))
+        np.testing.assert_array_equal(np.asarray(shared[i]), np.asarray(one))
+
+
+def test_plan_splits():
+    """Few tiles over long contexts split; prefill chunks do not; the workspace stays bounded."""
+    # 32 sequences x 4 drafts, 8 kv heads, GQA 4, 8192 positions: 40 tile slots x 8 heads.
+    assert rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2)[0] >= 1
+    # One sequence of 4 drafts over 32768 positions: few CTAs, so many splits.
+    splits, per = rp.plan_splits(1, 4, 1, 8, 32, 128, 32768, 132, 2)
+    assert splits > 8 and per % rp.KV_TILE == 0 and splits * per >= 32768
+    # A chunk of 2048 tokens: 136 tiles per kv head, no split.
+    assert rp.plan_splits(1, 2048, 1, 8, 32, 128, 34816, 132, 2) == (1, 34816)
+    # The workspace bound.
+    splits, per = rp.plan_splits(1, 16384, 1, 1, 1, 256, 2 ** 20, 132, 2)
+    assert splits * 16384 * 256 * 4 <= rp.MAX_WORKSPACE_BYTES and splits * per >= 2 ** 20
+
+
+# =============================================================================== GPU
+
+
+def _gpu_cases():
+    # (seed, seqs, head_size, layout, swizzle, block_size, kv heads, GQA ratio, q dtype)
+    long = ((1100, 4), (900, 8), (2000, 1))             # drafts and decode over longer contexts
+    chunk = ((700, 150), (300, 300), (64, 17))           # chunks, a prompt from scratch
+    return [
+        (21, MIXED, 128, "HND", True, 16, 2, 4, jnp.bfloat16),
+        (22, MIXED, 128, "NHD", False, 12, 2, 4, jnp.float32),
+        (23, MIXED, 64, "HND", False, 8, 1, 8, jnp.float16),
+        (24, MIXED, 256, "NHD", True, 32, 2, 1, jnp.bfloat16),
+        (25, long, 128, "HND", True, 16, 2, 4, jnp.bfloat16),
+        (26, long, 64, "NHD", True, 16, 4, 2, jnp.float32),
+        (27, chunk, 128, "HND", True, 16, 2, 4, jnp.bfloat16),
+        (28, chunk, 256, "HND", False, 16, 1, 8, jnp.float16),
+        (29, chunk, 64, "NHD", False, 12, 2, 1, jnp.float32),
+    ]
+
+
+GPU_CASES = _gpu_cases()
+GPU_IDS = [f"s{c[0]}-d{c[2]}-{c[3]}-{'swz' if c[4] else 'lin'}-bs{c[5]}-r{c[7]}-"
+           f"{np.dtype(c[8]).name}" for c in GPU_CASES]
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_case(index):
+    seed, seqs, head_size, layout, swizzle, bs, kv, ratio, dtype = GPU_CASES[index]
+    case = shared_case(seed, seqs, head_size=head_size, layout=layout, v_scale_swizzle=swizzle,
+                       block_size=bs, num_kv_heads=kv)
+    q = case.query(kv * ratio, dtype, seed=seed)
+    ref = _cpu(case.run, q, return_lse=True)           # the jnp path, on the CPU
+    return case, q, jax.device_get(ref)
+
+
+def q_rounding_bound(case, q):
+    """[T, Hq]: 2^-11 * sm_scale * max_t sum_d |q_d| |k_td| (float32 q; 0 otherwise)."""
+    if np.dtype(q.dtype) != np.float32:
+        return np.zeros(q.shape[:2])
+    qa = np.abs(_f64(q))
+    ks = np.abs(np.concatenate([k for k in case.case.k if len(k)]))
+    kv = ks.shape[1]
+    T, heads, head_size = qa.shape
+    qa = qa.reshape(T, kv, heads // kv, head_size)
+    top = np.stack([(qa[:, h] @ ks[:, h].T).max(axis=-1) for h in range(kv)], axis=1)
+    return FP16_UNIT / np.sqrt(head_size) * top.reshape(T, heads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(GPU_CASES)), ids=GPU_IDS)
+def test_gpu_kernel_matches_jnp_path(index):
+    case, q, (ref, ref_lse) = _gpu_case(index)
+    gpu = jax.devices("gpu")[0]
+    args = jax.device_put(case.args(q), gpu)
+    out, lse = ragged_jit(*args, **case.options, return_lse=True, impl="kernel")
+    out, lse = jax.device_get((out, lse))
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert_out_close(out, ref, q.dtype, roundings=2, label="ragged")
+    assert_lse_close(lse, ref_lse, KERNEL_LSE_ABS + q_rounding_bound(case, q), label="ragged",
+                     dtype=q.dtype)
+    np.testing.assert_array_equal(out[case.token_ends() == 0], 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [0, 4, 6])
+def test_gpu_kernel_matches_float64(index):
+    case, q, _ = _gpu_case(index)
+    out = ragged_jit(*jax.device_put(case.args(q), jax.devices("gpu")[0]), **case.options,
+                     impl="kernel")
+    assert_out_close(jax.device_get(out), case.reference(q), q.dtype, roundings=1,
+                     label="ragged_f64")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_gpu_one_token_per_sequence_matches_the_decode_kernel(head_size):
+    case = _cpu(Case, 31, lens=(1, 15, 16, 83, 700, 0, 40), num_kv_heads=2,
+                head_size=head_size)
+    batch = len(case.lens)
+    q = case.query(8, jnp.bfloat16, seed=4)
+    gpu = jax.devices("gpu")[0]
+    tables, lens = jnp.asarray(case.tables), jnp.asarray(case.lens, jnp.int32)
+    cu = jnp.arange(batch + 1, dtype=jnp.int32)
+    args = jax.device_put((q, case.cache, tables, lens, cu, jnp.int32(batch), case.k_scale,
+                           case.v_scale), gpu)
+    out, lse = ragged_jit(*args, return_lse=True, impl="kernel")
+    dec, dec_lse = paged_attention_jit(*jax.device_put((q, case.cache, tables, lens,
+                                                        case.k_scale, case.v_scale), gpu),
+                                       return_lse=True, impl="kernel")
+    assert_out_close(jax.device_get(out), jax.device_get(dec), q.dtype, roundings=2)
+    assert_lse_close(jax.device_get(lse), jax.device_get(dec_lse), 2 * KERNEL_LSE_ABS)
+
+
+@pytest.mark.gpu
+def test_gpu_split_kv_plan_is_used_and_matches():
+    """Four drafts of one sequence over 6000 positions: the plan splits; the result matches."""
+    case = shared_case(41, ((6000, 4),), head_size=128, pad_tokens=2)
+    assert rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 8, 128,
+                          case.capacity, 132, 2)[0] > 1
+    q = case.query(8, jnp.bfloat16, seed=3)
+    ref, ref_lse = _cpu(case.run, q, return_lse=True)
+    out, lse = ragged_jit(*jax.device_put(case.args(q), jax.devices("gpu")[0]), **case.options,
+                          return_lse=True, impl="kernel")
+    assert_out_close(jax.device_get(out), ref, q.dtype, roundings=2, label="ragged_split")
+    assert_lse_close(jax.device_get(lse), ref_lse, KERNEL_LSE_ABS)
+
+
+@pytest.mark.gpu
+def test_gpu_invalid_layouts_follow_the_plan():
+    """Decreasing cu_q_lens, num_seqs past max_num_seqs, a query count above seq_lens: the
+    kernel gives every token the plan's result, like the jnp path."""
+    case, q, _ = _gpu_case(0)
+    cu = np.array(case.cu_q_lens)
+    cu[2] = cu[1] - 2
+    lens = np.array(case.seq_lens)
+    lens[2] = 5                                   # 23 query tokens over 5 cached
+    args = list(case.args(q, num_seqs=case.num_seqs + 5))
+    args[4], args[3] = jnp.asarray(cu), jnp.asarray(lens)
+    ref = _cpu(ragged_jit, *args, **case.options)
+    out = ragged_jit(*jax.device_put(args, jax.devices("gpu")[0]), **case.options,
+                     impl="kernel")
+    assert_out_close(jax.device_get(out), jax.device_get(ref), q.dtype, roundings=2)
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_stacked_layers_is_one_launch_and_matches():
+    case, q, _ = _gpu_case(0)
+    gpu = jax.devices("gpu")[0]
+    args = jax.device_put(case.args(q), gpu)
+    caches = jnp.stack([args[1], args[1]])
+    qs = jnp.stack([args[0], 2 * args[0]])
+    f = lambda q, c: nv.ragged_paged_attention(q, c, *args[2:], **case.options)  # noqa: E731
+    both = jax.jit(jax.vmap(f))(qs, caches)
+    text = jax.jit(jax.vmap(f)).lower(qs, caches).compile().as_text()
+    assert text.count(f'custom_call_target="{rp.RAGGED_TARGET}"') == 1
+    for i in range(2):
+        np.testing.assert_array_equal(np.asarray(both[i]), np.asarray(jax.jit(f)(qs[i], args[1])))
+
+
+@pytest.mark.gpu
+def test_gpu_checked_and_dynamic_num_seqs():
+    case, q, _ = _gpu_case(0)
+    gpu = jax.devices("gpu")[0]
+    traces = []
+
+    def step(*args):
+        traces.append(1)
+        return nv.ragged_paged_attention(*args, **case.options, checked=True)
+
+    checked = jax.jit(checkify.checkify(step))
+    for ns in (case.num_seqs, 2):
+        err, out = checked(*jax.device_put(case.args(q, num_seqs=ns), gpu))
+        assert err.get() is None
+    assert len(traces) == 1
+    tables = np.array(case.tables)
+    tables[1, 0] = -4
+    args = list(case.args(q))
+    args[2] = jnp.asarray(tables)
+    err, _ = checked(*jax.device_put(args, gpu))
+    assert "block_tables[1, 0]" in err.get()
