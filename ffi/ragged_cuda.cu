@@ -14,9 +14,11 @@
 // Per step the CTA converts kKv positions of K and V (the pages of this kv head) from FP4 codes
 // to fp16 in shared memory, once for every query row of the tile, exactly (attention_device.cuh;
 // head dimensions permuted within groups of 8, q permuted to match, the output written back in
-// true order), two buffers deep: each step's global loads are issued before the previous step's
-// tensor-core work and one barrier per step orders the buffers. Each warp then multiplies on
-// the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate; FlashAttention-2 style):
+// true order). The raw page bytes reach shared memory by cp.async, kStages - 1 steps ahead of
+// their conversion (a ring of stages), so the memory latency is hidden even where a step's
+// tensor-core work is short; two barriers a step order the ring and the one fp16 K/V buffer.
+// Each warp then multiplies on the tensor cores (mma.sync m16n8k16, fp16 in, float32
+// accumulate; FlashAttention-2 style):
 //   S = Q K^T   16 query rows in M, positions in N, head dims in K (fragments by ldmatrix),
 //   O += P V    query rows in M, head dims in N, positions in K (V by ldmatrix.trans),
 // with a float32 online softmax per row. A tile of more than 32 rows gives each warp 16 rows
@@ -68,16 +70,27 @@ struct RaggedShape {
   // q's fragments in registers for the whole CTA (head size 256: from shared memory each step,
   // the O accumulators need the registers).
   static constexpr bool kQInRegisters = kHead <= 128;
-  // Shared memory: q, two buffers of K and V, per-row data. The warps' final states reuse the
-  // K/V buffers.
+  // The raw page bytes of a step are copied (cp.async) into a ring of kStages stages, kStages - 1
+  // steps ahead of their conversion: what is in flight per CTA, ~3 x 9 KB, hides the memory
+  // latency where a step's tensor-core work is short (few query rows). A staged code row is
+  // padded by 16 bytes (conflict-free 16-byte accesses).
+  static constexpr int kStages = 4;
+  static constexpr int kRawStride = kHead / 2 + 16;
+  static constexpr int kRawCodeBytes = 2 * kKv * kRawStride;
+  static constexpr int kRawStageBytes = kRawCodeBytes + 2 * kKv * kScales;
+  // Shared memory: q, one buffer of fp16 K and V, the raw ring, per-row data. The warps' final
+  // states reuse the K/V buffer and the ring.
   static constexpr int kTileHalves = kKv * kStride;
   static constexpr int kQBytes = kRows * kStride * 2;
-  static constexpr int kKvBytes = 2 * 2 * kTileHalves * 2;
+  static constexpr int kKvBytes = 2 * kTileHalves * 2;
+  static constexpr int kRingBytes = kStages * kRawStageBytes;
   static constexpr int kMergeFloats = kWarps * 16 * (kHead + 2);
   static constexpr int kRowBytes = kRows * 3 * 4;
-  static constexpr int kSmemBytes = kQBytes + kKvBytes + kRowBytes;
-  static_assert(kMergeFloats * 4 <= kKvBytes, "the merge reuses the K/V buffers");
-  static_assert(kScaleBytes == 4 || kScaleBytes == 8, "scale loads of 4 or 8 bytes");
+  static constexpr int kSmemBytes = kQBytes + kKvBytes + kRingBytes + kRowBytes;
+  static_assert(kMergeFloats * 4 <= kKvBytes + kRingBytes, "the merge reuses the K/V buffers");
+  static_assert(kScaleBytes == 4 || kScaleBytes == 8, "scale copies of 4 or 8 bytes");
+  static_assert(kRawStageBytes % 16 == 0 && kQBytes % 16 == 0 && kKvBytes % 16 == 0,
+                "16-byte aligned regions");
 };
 
 // ------------------------------------------------------------------------------------------
@@ -97,6 +110,24 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(p)));
+}
+
+// Asynchronous global -> shared copies (cp.async), zero-filled without reading when !valid.
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const uint32_t n = valid ? kBytes : 0;
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(shared_address(dst)), "l"(src), "r"(n));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"(shared_address(dst)), "l"(src), "n"(kBytes), "r"(n));
+}
+__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n"); }
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending));
 }
 
 // Eight q values from element i (a multiple of 8) as float32.
@@ -215,48 +246,98 @@ __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row,
 }
 
 // ------------------------------------------------------------------------------------------
-// The raw bytes of one (position, side) head vector part, as loaded from the pages.
+// One thread's (position, side, part) of a step: copied from the pages into a ring stage, then
+// converted to fp16 into the K/V buffer.
 
+// Where a thread's bytes go in a ring stage: its codes, and the scale bytes of its position's
+// plane row (for swizzled V scales these are not its own scales: the 4 positions of a row
+// group hold the group's scales between them, docs/format.md §4).
 template <int kHead>
-struct RawVector {
-  uint32_t codes[RaggedShape<kHead>::kCodeWords];
-  uint32_t scales[RaggedShape<kHead>::kScaleBytes / 4];
+struct StageSlot {
+  int code_offset;   // in the stage
+  int scale_offset;  // in the stage: this (side, position)'s staged plane row of scales
+  int scale_part;    // byte of that row this thread copies
 };
 
-template <int kHead, bool kSwizzle, Layout kLayout>
-__device__ __forceinline__ void load_vector(RawVector<kHead>& raw, const PageView<kLayout>& pv,
-                                            int32_t page, uint32_t row, int side, int part) {
+template <int kHead>
+__device__ __forceinline__ StageSlot<kHead> stage_slot(int side, int position, int part) {
   using R = RaggedShape<kHead>;
+  const int vector = side * R::kKv + position;
+  return {vector * R::kRawStride + part * R::kCodeBytes,
+          R::kRawCodeBytes + vector * R::kScales, part * R::kScaleBytes};
+}
+
+// Copies this thread's bytes of position `pos` into `stage`: codes when pos < end, scales when
+// the position's row group starts before end (swizzled V: the group's 4 plane rows hold the
+// scales of all 4 positions; rows past end inside the group are read but never used).
+template <int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void copy_vector(uint8_t* stage, const StageSlot<kHead>& slot,
+                                            const PageView<kLayout>& pv, int32_t page,
+                                            uint32_t pos, uint32_t end, uint32_t row, int side,
+                                            int part) {
+  using R = RaggedShape<kHead>;
+  const bool code_valid = pos < end;
+  const bool scale_valid = (kSwizzle && side == 1) ? (pos & ~3u) < end : code_valid;
   const uint8_t* side_bytes = pv.cache + pv.page_offset(page) + side * pv.side_bytes;
   const int32_t plane = pv.plane_row(row);
-  load_words<R::kCodeBytes>(side_bytes + plane * (kHead / 2) + part * R::kCodeBytes, raw.codes);
-  const uint8_t* scales = side_bytes + pv.side_data;
-  if (!kSwizzle || side == 0) {
-    load_words<R::kScaleBytes>(scales + plane * R::kScales + part * R::kScaleBytes, raw.scales);
-  } else {
+  const uint8_t* codes = code_valid ? side_bytes + plane * (kHead / 2) + part * R::kCodeBytes
+                                    : pv.cache;
+  const uint8_t* scales = scale_valid
+      ? side_bytes + pv.side_data + plane * R::kScales + slot.scale_part : pv.cache;
+#pragma unroll
+  for (int i = 0; i < R::kCodeBytes / 16; ++i)
+    copy_async<16>(stage + slot.code_offset + 16 * i, codes + 16 * i, code_valid);
+  copy_async<R::kScaleBytes>(stage + slot.scale_offset + slot.scale_part, scales, scale_valid);
+}
+
+// The staged codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8
+// dims per 16-byte store; a position past end is zeros (its staged scale may be a junk row's).
+template <int kHead, bool kSwizzle>
+__device__ __forceinline__ void convert_vector(const uint8_t* stage,
+                                               const StageSlot<kHead>& slot, int side,
+                                               int position, int part, bool valid,
+                                               uint16_t* dst) {
+  using R = RaggedShape<kHead>;
+  if (!valid) {
+#pragma unroll
+    for (int w = 0; w < R::kCodeWords; ++w)
+      *reinterpret_cast<uint4*>(dst + 8 * w) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  uint32_t scales[R::kScaleBytes / 4];
+  if (kSwizzle && side == 1) {
+    // Block s of position r: plane row 4 (r / 4) + s / G, column 4 (s % G) + r % 4.
+    constexpr int kGroup = R::kScales / 4;
+    const uint8_t* group_rows = stage + slot.scale_offset - (position & 3) * R::kScales;
 #pragma unroll
     for (int w = 0; w < R::kScaleBytes / 4; ++w) {
       uint32_t word = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int s = part * R::kScaleBytes + 4 * w + i;
-        word |= load_small<1>(scales + pv.template swizzled_scale_offset<R::kScales>(row, s))
-                << (8 * i);
+        word |= uint32_t(group_rows[(s / kGroup) * R::kScales + 4 * (s % kGroup) +
+                                    (position & 3)]) << (8 * i);
       }
-      raw.scales[w] = word;
+      scales[w] = word;
+    }
+  } else {
+    const uint8_t* own = stage + slot.scale_offset + slot.scale_part;
+    if constexpr (R::kScaleBytes == 8) {
+      const uint2 v = *reinterpret_cast<const uint2*>(own);
+      scales[0] = v.x, scales[1] = v.y;
+    } else {
+      scales[0] = *reinterpret_cast<const uint32_t*>(own);
     }
   }
-}
-
-// The codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8 dims per
-// 16-byte store.
-template <int kHead>
-__device__ __forceinline__ void convert_vector(const RawVector<kHead>& raw, uint16_t* dst) {
-  using R = RaggedShape<kHead>;
+  uint32_t codes[R::kCodeWords];
+#pragma unroll
+  for (int i = 0; i < R::kCodeWords / 4; ++i) {
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + slot.code_offset + 16 * i);
+    codes[4 * i] = v.x, codes[4 * i + 1] = v.y, codes[4 * i + 2] = v.z, codes[4 * i + 3] = v.w;
+  }
 #pragma unroll
   for (int pair = 0; pair < R::kScaleBytes / 2; ++pair) {
-    const uint32_t two = raw.scales[pair / 2] >> (16 * (pair % 2));
-    const uint32_t scale2 = e4m3x2_to_f16x2_x128(two);
+    const uint32_t scale2 = e4m3x2_to_f16x2_x128(scales[pair / 2] >> (16 * (pair % 2)));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // block 2 pair + half: code words 4 pair + 2 half, +1
       const uint32_t scale = prmt(scale2, scale2, half ? 0x3232 : 0x1010);
@@ -264,7 +345,7 @@ __device__ __forceinline__ void convert_vector(const RawVector<kHead>& raw, uint
       for (int k = 0; k < 2; ++k) {
         const int w = 4 * pair + 2 * half + k;
         uint32_t r[4];
-        e2m1x8_to_f16x2(raw.codes[w], r);
+        e2m1x8_to_f16x2(codes[w], r);
         *reinterpret_cast<uint4*>(dst + 8 * w) =
             make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
                        hmul2(r[3], scale));
@@ -282,9 +363,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   using R = RaggedShape<kHead>;
   extern __shared__ __align__(16) uint8_t smem[];
   uint16_t* q_smem = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* kv_smem = reinterpret_cast<uint16_t*>(smem + R::kQBytes);  // [buffer][K, V][kKv][kStride]
+  uint16_t* kv_smem = reinterpret_cast<uint16_t*>(smem + R::kQBytes);  // [K, V][kKv][kStride]
+  uint8_t* ring = smem + R::kQBytes + R::kKvBytes;                      // [kStages][stage]
   float* merge_smem = reinterpret_cast<float*>(smem + R::kQBytes);     // after the loop
-  int32_t* row_end = reinterpret_cast<int32_t*>(smem + R::kQBytes + R::kKvBytes);
+  int32_t* row_end = reinterpret_cast<int32_t*>(ring + R::kRingBytes);
   float* row_scale = reinterpret_cast<float*>(row_end + kRows);
   int32_t* row_q = row_end + 2 * kRows;
 
@@ -416,31 +498,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int side = threadIdx.x / (kThreads / 2);
   const int vector = (threadIdx.x % (kThreads / 2)) / R::kThreadsPerVector;  // position in step
   const int part = threadIdx.x % R::kThreadsPerVector;
-  uint16_t* const convert_dst0 =
+  uint16_t* const convert_dst =
       kv_smem + (side * R::kKv + vector) * R::kStride + part * R::kThreadDims;
+  const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, part);
 
   const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
-  // The block-table entry of this thread's position one step ahead of its bytes.
+  const uint32_t end = uint32_t(last_end);
+  const auto position = [&](int step) { return uint32_t(begin + step * R::kKv + vector); };
+  // The block-table entry of this thread's position, read a step before its copy is issued.
   const auto page_of = [&](int step) {
-    const uint32_t pos = uint32_t(begin + step * R::kKv + vector);
-    return pos < uint32_t(last_end) ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
+    const uint32_t pos = position(step);
+    return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
   };
-  RawVector<kHead> raw;
-  const auto load_step = [&](int step, int32_t page) {
-    const uint32_t pos = uint32_t(begin + step * R::kKv + vector);
-    if (pos < uint32_t(last_end)) {
-      uint32_t row;
-      grid.block_size.divmod(pos, &row);
-      load_vector<kHead, kSwizzle>(raw, pv, page, row, side, part);
-    } else {
-#pragma unroll
-      for (int w = 0; w < R::kCodeWords; ++w) raw.codes[w] = 0;
-#pragma unroll
-      for (int w = 0; w < R::kScaleBytes / 4; ++w) raw.scales[w] = 0;
-    }
+  const auto copy_step = [&](int step, int32_t page) {
+    const uint32_t pos = position(step);
+    uint32_t row;
+    grid.block_size.divmod(pos, &row);
+    copy_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged, pv,
+                                 page, pos, end, row, side, part);
   };
-  load_step(0, page_of(0));
-  int32_t page_ahead = page_of(1);
+#pragma unroll
+  for (int step = 0; step < R::kStages - 1; ++step) {
+    if (step < num_steps) copy_step(step, page_of(step));
+    copy_async_commit();
+  }
+  int32_t page_ahead = page_of(R::kStages - 1);
 
   __syncthreads();  // q and the row data
 
@@ -474,16 +556,23 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 #pragma unroll 1
   for (int step = 0; step < num_steps; ++step) {
-    uint16_t* buffer = kv_smem + (step & 1) * 2 * R::kTileHalves;
-    convert_vector<kHead>(raw, convert_dst0 + (step & 1) * 2 * R::kTileHalves);
-    if (step + 1 < num_steps) {
-      load_step(step + 1, page_ahead);
-      page_ahead = page_of(step + 2);
-    }
+    // This step's bytes have landed (this thread's copies; the barrier: everyone's), and every
+    // warp is done with the K/V buffer of the step before.
+    copy_async_wait<R::kStages - 2>();
     __syncthreads();
+    convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
+                                    side, vector, part, position(step) < end, convert_dst);
+    // The stage converted a step ago is free: the copies of step + kStages - 1 go there.
+    const int ahead = step + R::kStages - 1;
+    if (ahead < num_steps) {
+      copy_step(ahead, page_ahead);
+      page_ahead = page_of(ahead + 1);
+    }
+    copy_async_commit();
+    __syncthreads();  // the K/V buffer is complete
     if (!has_rows) continue;
-    const uint16_t* k_tile = buffer;
-    const uint16_t* v_tile = buffer + R::kTileHalves;
+    const uint16_t* k_tile = kv_smem;
+    const uint16_t* v_tile = kv_smem + R::kTileHalves;
     const int32_t step_base = begin + step * R::kKv;
 
     // S = Q K^T over this warp's positions.
@@ -583,7 +672,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // Merge the warps of each m-tile (one, two or four) through shared memory, then write each
   // row's result, dims in true order (coalesced).
-  __syncthreads();  // the K/V buffers are free
+  copy_async_wait<0>();  // (only empty groups are left; the ring is reused below)
+  __syncthreads();  // the K/V buffer and the ring are free
   float* m_smem = merge_smem;                      // [warp][16]
   float* l_smem = merge_smem + kWarps * 16;        // [warp][16]
   float* o_smem = merge_smem + 2 * kWarps * 16;    // [warp][16][kHead]
@@ -662,8 +752,12 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
   const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
   // More than 48 KB of dynamic shared memory needs the function's limit raised (a host-side
   // attribute of the current device's module: set on every launch, so every device has it).
-  const cudaError_t configured = cudaFuncSetAttribute(
+  cudaError_t configured = cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmemBytes);
+  // All of L1 as shared memory where possible: two CTAs of ~100 KB per SM.
+  if (configured == cudaSuccess)
+    configured = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                      cudaSharedmemCarveoutMaxShared);
   if (configured != cudaSuccess) return configured;
   const RaggedGrid grid{int32_t(TileSlots(p)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
@@ -726,6 +820,8 @@ int ResidentCtas() {
   int ctas = 0;
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            R::kSmemBytes) != cudaSuccess ||
+      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                           cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, R::kSmemBytes) !=
           cudaSuccess) {
     cudaGetLastError();
