@@ -6,22 +6,52 @@ default it is the byte-level model examples/train_tiny_lm.py trained on the Pyth
 library's source (weights in examples/tiny_lm.npz), computing in float32, and the prompts are
 held-out standard-library text it was not trained on; ``--random-weights`` runs random seeded
 bf16 weights of any size on random prompts instead. A host-side block allocator hands out
-pages and builds ``block_tables`` and ``slot_mapping``. Prefill runs dense causal attention over
-the prompts and writes their K/V into the paged cache of each layer; then a decode loop runs one
-step function, compiled once with ``jax.jit``, whose per-layer caches are donated and updated in
-place: the new token's K/V are stored, then paged attention reads each sequence's pages.
+pages and builds ``block_tables`` and ``slot_mapping``.
 
-The same model runs twice: with the NVFP4 cache (``jax_nvfp4.reshape_and_cache`` +
-``paged_attention``) and with a bf16 paged cache (``.at[slots].set`` + ``paged_attention_bf16``).
+The same model runs twice, with a bf16 paged cache and with the NVFP4 cache:
+
+* **bf16** (``.at[slots].set`` + ``paged_attention_bf16``): a dense causal prefill over the
+  prompts writes their K/V into each layer's paged cache at once (there is no ragged reader
+  for a bf16 cache).
+* **NVFP4** (``jax_nvfp4.reshape_and_cache`` + ``ragged_paged_attention`` /
+  ``paged_attention``): chunked prefill through the cache. All prompts go together,
+  ``--prefill-chunk`` tokens each per step (24 by default, not a multiple of the 16-token page,
+  so the default prompts of 64 to 160 tokens take 3 to 7 chunks); a step packs the chunks of
+  the sequences with prompt left (``cu_q_lens``, ``num_seqs``), padded to a fixed number of
+  tokens so one compiled step serves every chunk, and per layer stores the chunk's K/V, then
+  lets its queries attend with ``ragged_paged_attention`` to the earlier chunks and causally
+  to the chunk itself. Its logits at every prompt position are checked against the dense
+  prefill with each layer's K/V passed through the NVFP4 format the same way
+  (``jax_nvfp4.reference.quantize_blocks``, read back as the cache reads it), within
+  ``MATCH_BOUNDS`` (measured; see there). The scales are calibrated once from the plain dense
+  prefill's K/V.
+
+Then each run decodes with one step function, compiled once with ``jax.jit``, whose per-layer
+caches are donated and updated in place: the new token's K/V are stored, then paged attention
+reads each sequence's pages. Each run's first token comes from its own prefill.
+
+A speculative-decoding check follows, k = ``--draft-tokens`` (default 4). The draft model is
+the model itself: its drafts are the tokens the NVFP4 decode generated greedily, so all are
+accepted. From a copy of the NVFP4 caches as the prefill left them, ONE verify step takes per
+sequence the k tokens the first k decode steps consumed (the prefill's token and k - 1
+drafts), stores their K/V and attends with ``ragged_paged_attention``, k query tokens per
+sequence; its k logits (which verify those drafts and the k-th) must equal those of the k
+token-by-token decode steps within ``MATCH_BOUNDS`` (and so pick the same tokens, but at a
+tie closer than that). It runs the same compiled step as the chunked prefill. (With
+``--teacher-force`` the decode consumed the bf16 run's tokens: those are the drafts then, and
+not all need be accepted.)
+
 It prints the verdict first: per cache, decode tokens/s, cache bytes per token and how much
 more context fits in the same memory; then how often the NVFP4 run picks the same greedy token
-as the bf16 run from the same history, how far their logits are apart (mean KL divergence and
-absolute difference), and (trained model) the text each run generated under the end of each
-prompt. benchmarks/quality_bench.py measures what the caches cost in held-out bits per byte.
-``--verbose`` adds the internals (device, scales, compile and donation checks, sample tokens).
-Progress goes to
-stderr: a bar on a terminal, occasional lines in a log. Runs on JAX's default device (the GPU
-when there is one).
+as the bf16 run from the same history (its prefill's token included), how far their logits are
+apart (mean KL divergence and absolute difference); a line each for the chunked-prefill and
+the speculative-decoding check (``FAILED`` and exit status 1 beyond a bound); and (trained
+model) the text each run generated under the end of each prompt. benchmarks/quality_bench.py
+measures what the caches cost in held-out bits per byte. ``--verbose`` adds the internals
+(device, scales, compile and donation checks, the prefill's steps, sample tokens). Progress
+goes to stderr: a bar on a terminal, occasional lines in a log. Runs on JAX's default device
+(the GPU when there is one; there the bounds of the two checks are provisional, see
+``MATCH_BOUNDS``).
 
 With ``--long-context`` it instead times one decode step over caches that already hold
 ``--context`` tokens per sequence (default 32 x 32768 tokens, 4 Llama-3-8B-shaped layers:
@@ -31,12 +61,14 @@ and the NVFP4 step (the fused CUDA kernel on a GPU) is timed against the bf16 on
 bytes per token and how many more tokens fit in the same memory.
 
     python examples/paged_decode.py
+    python examples/paged_decode.py --prefill-chunk 7 --draft-tokens 8
     python examples/paged_decode.py --batch 8 --prompt-lens 5 60 130 --steps 64 --layout NHD
     python examples/paged_decode.py --random-weights --layers 2 --vocab 1024
     python examples/paged_decode.py --long-context --batch 32 --context 32768 --layers 4
 """
 
 import argparse
+import copy
 import dataclasses
 import functools
 import math
@@ -50,15 +82,17 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nvfp4
-from jax_nvfp4.attention import paged_attention, paged_attention_bf16
+from jax_nvfp4 import reference
+from jax_nvfp4.attention import paged_attention, paged_attention_bf16, ragged_paged_attention
 from jax_nvfp4.attention_primitive import DECODE_TARGET as _DECODE_TARGET
 from jax_nvfp4.attention_primitive import KERNEL_HEAD_SIZES as _KERNEL_HEAD_SIZES
+from jax_nvfp4.ragged_primitive import kernel_supports as ragged_kernel_supports
 
 # The model and its data live beside this file (also when it is loaded from elsewhere).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 import tiny_lm  # noqa: E402
-from tiny_lm import init_params, logits_of, mlp_block, prefill, qkv  # noqa: E402,F401
+from tiny_lm import forward, init_params, logits_of, mlp_block, prefill, qkv  # noqa: E402,F401
 
 KINDS = ("bf16", "nvfp4")
 
@@ -71,6 +105,8 @@ class Config:
     batch: int = 4
     prompt_lens: tuple = (64, 96, 128, 160)   # cycled when batch is larger
     steps: int = 48
+    prefill_chunk: int = 24                # prompt tokens per sequence per chunked-prefill step
+    draft_tokens: int = 4                  # tokens of the speculative-decoding verify step
     # The model's sizes: the trained model's (examples/tiny_lm.npz); others need random weights.
     layers: int = _TRAINED.layers
     d_model: int = _TRAINED.d_model
@@ -102,6 +138,37 @@ class Config:
 LONG_CONTEXT_DEFAULTS = dict(batch=32, context=32768, layers=4, d_model=4096, num_q_heads=32,
                              num_kv_heads=8, head_size=128, mlp=14336, vocab=32000,
                              block_size=16, steps=10)
+
+
+#: Bounds of the example's two checks, on the largest |logit difference| over every position
+#: compared: chunked prefill through the NVFP4 cache against the dense prefill with K/V through
+#: NVFP4 (every prompt position), and the speculative verify step against the token-by-token
+#: decode steps (the k positions of every sequence). Keyed by (reader path of
+#: ragged_paged_attention, model dtype); bf16 bounds are per layer (rounding differences of the
+#: two computation orders pass through every layer and grow with depth).
+#:
+#: Measured on the CPU (jnp readers), jax 0.10.2:
+#:
+#: * trained model, float32: prefill <= 1.3e-5, verify <= 1.1e-5 (chunks of 1, 5, 16, 24, 32 and
+#:   160 tokens, both layouts, both scale searches, --teacher-force, 16 draft tokens, batch 8
+#:   --prompt-lens 5 60 130): the same numbers summed in another order. Bounds 1e-3.
+#: * random bf16 weights: prefill max 0.065..0.115 at 2 layers (the tests' size, seeds 0..9),
+#:   0.16..0.23 at 4 (the default sizes, seeds 0..3), 0.33 at 8, 0.45 at 16: at most 0.058 per
+#:   layer. tiny_lm's dense attention rounds the softmax weights and its output to bf16, the
+#:   paged readers attend in float32, and a last-bit difference in a later layer's K or V can
+#:   move it to the next E2M1 code. Verify: 0 to 0.025 at 1..8 layers, 0.053 at 16, at most
+#:   0.0061 per layer. Bounds 0.15 and 0.025 per layer.
+#:
+#: On a GPU the ragged and decode kernels round q and the softmax weights to fp16 and XLA runs
+#: float32 products in TF32: the decode kernel was measured 0.55 from the dense round trip on
+#: the trained model (benchmarks/RESULTS.md, "On a GPU"). The ragged kernel has not run on a GPU
+#: yet, so its bounds are provisional (about 3x that), to be replaced by measured ones.
+MATCH_BOUNDS = {
+    ("jnp", "float32"): dict(prefill=1e-3, verify=1e-3, per_layer=False, measured=True),
+    ("jnp", "bfloat16"): dict(prefill=0.15, verify=0.025, per_layer=True, measured=True),
+    ("kernel", "float32"): dict(prefill=1.5, verify=1.5, per_layer=False, measured=False),
+    ("kernel", "bfloat16"): dict(prefill=0.3, verify=0.05, per_layer=True, measured=False),
+}
 
 
 # --------------------------------------------------------------------------- block allocator
@@ -244,6 +311,71 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
     return jax.jit(step, donate_argnums=1)
 
 
+def make_ragged_step(cfg, trace_counter, impl="auto"):
+    """The NVFP4 step over several tokens per sequence, compiled once for a fixed number of
+    packed tokens: (params, caches, scales, tokens [T], positions [T], slot_mapping [T],
+    block_tables [S, M], seq_lens [S], cu_q_lens [S + 1], num_seqs) -> (logits [T, vocab],
+    caches). Caches (argument 1) are donated.
+
+    Per layer the tokens' K/V are stored first (``reshape_and_cache``; padding tokens have slot
+    -1), then their queries attend causally with ``ragged_paged_attention`` over everything
+    their sequence has in the cache, themselves included. Chunked prefill and the speculative
+    verify step both run it; ``cu_q_lens``, ``num_seqs`` and ``seq_lens`` are device values, so
+    neither a different chunk nor a shrinking batch recompiles. ``trace_counter["ragged"]``
+    counts its traces.
+    """
+
+    def step(params, caches, scales, tokens, positions, slot_mapping, block_tables, seq_lens,
+             cu_q_lens, num_seqs):
+        trace_counter["ragged"] += 1
+        x = params["embed"][tokens]                     # [T, d]
+        new_caches = []
+        for layer, cache, scale in zip(params["layers"], caches, scales):
+            q, k, v = qkv(cfg, layer, x, positions)     # [T, heads, D]
+            cache = store(cfg, "nvfp4", k, v, cache, slot_mapping, scale)
+            attn = ragged_paged_attention(q, cache, block_tables, seq_lens, cu_q_lens, num_seqs,
+                                          *scale, layout=cfg.layout, impl=impl)
+            new_caches.append(cache)
+            x = x + attn.reshape(x.shape[0], -1) @ layer["wo"]
+            x = x + mlp_block(layer, x)
+        return logits_of(params, x), tuple(new_caches)
+
+    return jax.jit(step, donate_argnums=1)
+
+
+def nvfp4_round_trip(x, scale, scale_search="default"):
+    """K or V [..., head_size] as the NVFP4 cache hands them back: cast to bf16 (what the store
+    is given), quantised by the library's quantiser (``jax_nvfp4.reference.quantize_blocks``:
+    the bytes ``reshape_and_cache`` writes) and read back as the readers do,
+    ``(E2M1 code * E4M3 block scale) * global scale`` in float32 (docs/format.md §1)."""
+    blocks = x.astype(jnp.bfloat16).astype(jnp.float32).reshape(*x.shape[:-1], -1, 16)
+    codes, scale_bytes = reference.quantize_blocks(blocks, scale, scale_search)
+    values = reference.e2m1_values(codes) * reference.e4m3_decode(scale_bytes)[..., None]
+    return (values * scale).reshape(x.shape)
+
+
+def make_dense_forward(cfg):
+    """The dense causal forward over the padded prompts, compiled once for two uses:
+    (params, prompts [B, L], lens [B], scales, through_nvfp4) -> (logits [B, L, vocab], ks, vs).
+
+    ``through_nvfp4=False`` is the plain dense prefill (the bf16 run's prefill, and the K/V the
+    scales are calibrated from; ``scales`` unused). ``through_nvfp4=True`` passes each layer's
+    K/V through the NVFP4 format with the cache's ``scales`` (:func:`nvfp4_round_trip`), so
+    that every position attends to what the cache would hand back: what chunked prefill
+    through the cache computes, in one dense pass (its reference). ``ks, vs`` are the K/V
+    before the round trip.
+    """
+
+    def fn(params, prompts, lens, scales, through_nvfp4):
+        def transform(i, k, v):
+            return tuple(jnp.where(through_nvfp4, nvfp4_round_trip(x, s, cfg.scale_search), x)
+                         for x, s in ((k, scales[i][0]), (v, scales[i][1])))
+
+        return forward(cfg, params, prompts, lens, kv_transform=transform)
+
+    return jax.jit(fn)
+
+
 def allocate_caches(cfg, kind, num_blocks):
     if kind == "nvfp4":
         return tuple(jax_nvfp4.allocate_kv_cache(num_blocks, cfg.block_size, cfg.num_kv_heads,
@@ -332,23 +464,116 @@ def _prompt_lens(cfg):
     return [lens[i % len(lens)] for i in range(cfg.batch)]
 
 
-def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, trace_counter,
-           forced_tokens=None):
-    """One run: allocate, store the prompts, decode ``cfg.steps`` tokens. Returns a dict."""
-    first_logits, ks, vs, scales = prefill_out
-    seqs = list(range(cfg.batch))
+def new_allocator(cfg, num_blocks, max_blocks):
+    """A page allocator holding the batch's sequences 0 .. batch - 1, each still empty."""
     alloc = BlockAllocator(num_blocks, cfg.block_size, max_blocks, seed=cfg.seed + 1)
-    for s in seqs:
+    for s in range(cfg.batch):
         alloc.add_sequence(s)
+    return alloc
+
+
+def dense_prefill_store(cfg, kind, ks, vs, scales, prompt_lens, alloc, num_blocks):
+    """The bf16 run's prefill: the dense prefill's K/V of every prompt token into a new paged
+    cache per layer, all at once. Returns the caches."""
     length = ks[0].shape[1]
     slot_mapping = np.full((cfg.batch, length), -1, np.int32)
-    for s, n in zip(seqs, prompt_lens):
+    for s, n in enumerate(prompt_lens):
         slot_mapping[s, :n] = alloc.append_slots(s, n)
-
     stage(cfg, f"{kind}: storing the prompts' K/V into the paged cache (compiling the store)")
     caches = allocate_caches(cfg, kind, num_blocks)
-    caches = make_prefill_store(cfg, kind)(caches, ks, vs, jnp.asarray(slot_mapping.reshape(-1)),
-                                           scales)
+    return make_prefill_store(cfg, kind)(caches, ks, vs, jnp.asarray(slot_mapping.reshape(-1)),
+                                         scales)
+
+
+def chunk_plan(prompt_lens, chunk):
+    """Chunked prefill's steps: per step, ``(sequence, first position, tokens)`` of every
+    sequence with prompt tokens left, ``chunk`` tokens each (fewer for a prompt's last chunk)."""
+    done, plan = [0] * len(prompt_lens), []
+    while True:
+        pieces = [(b, done[b], min(chunk, n - done[b])) for b, n in enumerate(prompt_lens)
+                  if done[b] < n]
+        if not pieces:
+            return plan
+        for b, _, q in pieces:
+            done[b] += q
+        plan.append(pieces)
+
+
+def pack_ragged(cfg, alloc, pieces, num_tokens):
+    """One ragged step's inputs for ``pieces``, a list of ``(sequence, token ids)``: reserves
+    the tokens' slots (``alloc.append_slots``) and packs them in order, padded to
+    ``num_tokens`` (token 0, slot -1: not stored, and nobody's query). The sequences of the
+    step are rows ``0 .. len(pieces) - 1`` of block_tables / seq_lens / cu_q_lens and
+    ``num_seqs = len(pieces)``; the rows up to ``cfg.batch`` are padding.
+
+    Returns ``(tokens, positions, slot_mapping, block_tables, seq_lens, cu_q_lens, num_seqs)``,
+    NumPy int32, the ragged step's arguments after the caches and scales.
+    """
+    tokens = np.zeros(num_tokens, np.int32)
+    positions = np.zeros(num_tokens, np.int32)
+    slots = np.full(num_tokens, -1, np.int32)
+    cu = [0]
+    for s, ids in pieces:
+        n, o = len(ids), cu[-1]
+        if o + n > num_tokens:
+            raise ValueError(f"{o + n} query tokens do not fit the step's {num_tokens}")
+        positions[o:o + n] = alloc.seq_lens([s])[0] + np.arange(n)
+        tokens[o:o + n] = ids
+        slots[o:o + n] = alloc.append_slots(s, n)
+        cu.append(o + n)
+    seqs = [s for s, _ in pieces]
+    tables = np.full((cfg.batch, alloc.max_blocks_per_seq), -1, np.int32)
+    tables[:len(seqs)] = alloc.block_tables(seqs)
+    lens = np.zeros(cfg.batch, np.int32)
+    lens[:len(seqs)] = alloc.seq_lens(seqs)
+    cu_q_lens = np.full(cfg.batch + 1, cu[-1], np.int32)
+    cu_q_lens[:len(cu)] = cu
+    return tokens, positions, slots, tables, lens, cu_q_lens, np.int32(len(seqs))
+
+
+def chunked_prefill(cfg, params, prompts, prompt_lens, alloc, caches, scales, step, num_tokens):
+    """The NVFP4 run's prefill: every prompt ``cfg.prefill_chunk`` tokens at a time through the
+    cache, all prompts with tokens left together in one ragged step (:func:`make_ragged_step`:
+    per layer the chunk's K/V are stored, then its queries attend to the earlier chunks and
+    causally to the chunk itself). Returns ``(logits [B, L, vocab] of every prompt position
+    (zeros past a prompt's end), caches, info)``."""
+    plan = chunk_plan(prompt_lens, cfg.prefill_chunk)
+    logits = np.zeros((cfg.batch, prompts.shape[1], cfg.vocab), np.float32)
+    stage(cfg, f"nvfp4: chunked prefill, {len(plan)} steps of up to {cfg.prefill_chunk} tokens "
+               f"per prompt (compiling the ragged step)")
+    progress = Progress(len(plan), "nvfp4: chunked prefill steps", cfg.progress)
+    t0 = time.perf_counter()
+    first_s, donated = None, None
+    for i, pieces in enumerate(plan):
+        inputs = pack_ragged(cfg, alloc, [(b, prompts[b, start:start + q])
+                                          for b, start, q in pieces], num_tokens)
+        old = caches
+        out, caches = step(params, caches, scales, *inputs)
+        out = np.asarray(out)
+        if i == 0:
+            first_s = time.perf_counter() - t0
+            donated = all(x.is_deleted() for x in jax.tree.leaves(old))
+        del old
+        o = 0
+        for b, start, q in pieces:
+            logits[b, start:start + q] = out[o:o + q]
+            o += q
+        progress.update()
+    progress.close()
+    info = dict(steps=len(plan), chunks_per_prompt=[-(-n // cfg.prefill_chunk)
+                                                    for n in prompt_lens],
+                tokens_per_step=[sum(q for _, _, q in pieces) for pieces in plan],
+                seqs_per_step=[len(pieces) for pieces in plan], num_tokens=num_tokens,
+                first_step_s=first_s, seconds=time.perf_counter() - t0, caches_donated=donated)
+    return logits, caches, info
+
+
+def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter,
+           forced_tokens=None):
+    """One run's decode from its prefilled ``caches`` (the prompts' tokens allocated in
+    ``alloc``): the first token from ``first_logits`` (the last prompt position's), then
+    ``cfg.steps`` steps. Returns a dict."""
+    seqs = list(range(cfg.batch))
     step = make_decode_step(cfg, kind, trace_counter)
     step_scales = scales if kind == "nvfp4" else tuple(() for _ in scales)
 
@@ -391,6 +616,7 @@ def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, 
     return dict(
         tokens=np.stack([np.asarray(t) for t in generated], axis=1),     # [B, steps + 1]
         logits=np.stack([np.asarray(x) for x in all_logits], axis=1),    # [B, steps, vocab]
+        first_logits=np.asarray(first_logits),                           # [B, vocab]
         first_step_s=t_first,
         tokens_per_s=cfg.batch * (cfg.steps - 1) / t_rest if cfg.steps > 1 else float("nan"),
         cache_bytes=cache_bytes(caches),
@@ -404,8 +630,40 @@ def decode(cfg, kind, params, prefill_out, prompt_lens, num_blocks, max_blocks, 
     )
 
 
+def verify_step(cfg, params, caches, alloc, scales, step, tokens, num_tokens):
+    """Speculative decoding's verify step: ``tokens [B, k]`` (the last accepted token, then k - 1
+    drafts) of every sequence in ONE ragged step over ``caches`` (their K/V stored, each query
+    attending causally). Returns the logits ``[B, k, vocab]``: row j predicts token j + 1."""
+    batch, k = tokens.shape
+    inputs = pack_ragged(cfg, alloc, [(b, tokens[b]) for b in range(batch)], num_tokens)
+    logits, _ = step(params, caches, scales, *inputs)
+    return np.asarray(logits)[:batch * k].reshape(batch, k, -1)
+
+
+def _ragged_path(cfg, platform) -> str:
+    """Which reader ``ragged_paged_attention(impl="auto")`` runs: the CUDA kernel on a GPU (for
+    the head sizes it is built for), the jnp path elsewhere."""
+    return "kernel" if platform == "gpu" and ragged_kernel_supports(cfg.head_size) else "jnp"
+
+
+def match_bounds(cfg, platform) -> dict:
+    """The bounds of the two checks (max |logit difference|) for this model and reader, from
+    ``MATCH_BOUNDS``: ``dict(prefill=, verify=, measured=)``."""
+    dtype = "float32" if not cfg.random_weights else "bfloat16"
+    b = MATCH_BOUNDS[(_ragged_path(cfg, platform), dtype)]
+    times = cfg.layers if b["per_layer"] else 1
+    return dict(prefill=b["prefill"] * times, verify=b["verify"] * times, measured=b["measured"])
+
+
+def _leading_true(x):
+    """Per row of a boolean [B, k] array: how many leading entries are True."""
+    return np.where(x.all(axis=1), x.shape[1], np.argmin(x, axis=1))
+
+
 def run(cfg: Config) -> dict:
-    """Prefill once, decode with both caches, compare. Returns a results dict."""
+    """Dense prefill and decode with the bf16 cache; chunked prefill and decode with the NVFP4
+    cache, checked against the dense prefill, and the speculative verify step checked against
+    the token-by-token steps; the two runs compared. Returns a results dict."""
     t_start = time.perf_counter()
     jax_nvfp4.layout.check_layout(cfg.layout)
     jax_nvfp4.layout.check_scale_search(cfg.scale_search)
@@ -419,62 +677,129 @@ def run(cfg: Config) -> dict:
         sources, truths = None, None
     else:
         prompts, sources, truths = text_prompts(prompt_lens, cfg.steps + 1)
+    platform = _default_device().platform
 
     lens = jnp.asarray(prompt_lens, jnp.int32)
     stage(cfg, f"prefill: dense attention over {cfg.batch} prompts (compiling and running)")
-    first_logits, ks, vs = jax.jit(lambda p, t, n: prefill(cfg, p, t, n))(
-        params, jnp.asarray(prompts), lens)
+    dense = make_dense_forward(cfg)
+    unit = tuple((jnp.float32(1), jnp.float32(1)) for _ in range(cfg.layers))
+    dense_logits, ks, vs = dense(params, jnp.asarray(prompts), lens, unit, False)
+    first_logits = dense_logits[jnp.arange(cfg.batch), lens - 1]
+    # The global scales of the NVFP4 cache (chunked prefill, its dense reference, the decode):
+    # calibrated once, from the plain dense prefill's K/V.
     scales = calibrate(ks, vs, lens)
-    prefill_out = (first_logits, ks, vs, scales)
 
     total = [n + cfg.steps for n in prompt_lens]
     max_blocks = max(math.ceil(n / cfg.block_size) for n in total)
     num_blocks = sum(math.ceil(n / cfg.block_size) for n in total) + cfg.extra_blocks
-    trace_counter = {k: 0 for k in KINDS}
+    trace_counter = {k: 0 for k in KINDS + ("ragged",)}
     runs = {}
-    runs["bf16"] = decode(cfg, "bf16", params, prefill_out, prompt_lens, num_blocks, max_blocks,
+    # bf16: the dense prefill's K/V into its cache (it has no ragged reader), then decode.
+    alloc = new_allocator(cfg, num_blocks, max_blocks)
+    caches = dense_prefill_store(cfg, "bf16", ks, vs, scales, prompt_lens, alloc, num_blocks)
+    del ks, vs
+    runs["bf16"] = decode(cfg, "bf16", params, caches, alloc, first_logits, scales,
                           trace_counter)
-    forced = runs["bf16"]["tokens"][:, :-1] if cfg.teacher_force else None
-    runs["nvfp4"] = decode(cfg, "nvfp4", params, prefill_out, prompt_lens, num_blocks,
-                           max_blocks, trace_counter, forced_tokens=forced)
 
-    # Compare. Decode step i consumed token i and produced token i + 1.
+    # NVFP4: chunked prefill through the cache. One compiled ragged step serves every chunk and
+    # the verify step: num_tokens is padded to the larger of the two.
+    k = min(cfg.draft_tokens, cfg.steps)
+    num_tokens = cfg.batch * max(cfg.prefill_chunk, k)
+    ragged = make_ragged_step(cfg, trace_counter)
+    alloc = new_allocator(cfg, num_blocks, max_blocks)
+    caches = allocate_caches(cfg, "nvfp4", num_blocks)
+    chunk_logits, caches, chunk_info = chunked_prefill(cfg, params, prompts, prompt_lens, alloc,
+                                                       caches, scales, ragged, num_tokens)
+    stage(cfg, "nvfp4: the dense prefill with K/V through NVFP4 (the reference of chunked "
+               "prefill)")
+    dense_logits = np.asarray(dense(params, jnp.asarray(prompts), lens, scales, True)[0])
+    # The cache state before decoding, for the verify step (the decode step donates its caches).
+    spec_caches = jax.tree.map(jnp.copy, caches)
+    spec_alloc = copy.deepcopy(alloc)
+    last = np.asarray(prompt_lens) - 1
+    forced = runs["bf16"]["tokens"][:, :-1] if cfg.teacher_force else None
+    runs["nvfp4"] = decode(cfg, "nvfp4", params, caches, alloc,
+                           chunk_logits[np.arange(cfg.batch), last], scales, trace_counter,
+                           forced_tokens=forced)
+    del caches
+
+    # Speculative decoding: the tokens the NVFP4 decode consumed in its first k steps (its own
+    # greedy tokens: the model drafts for itself; with --teacher-force the bf16 run's) verified
+    # in one step from the cache state before them.
+    fed = runs["bf16"]["tokens"] if cfg.teacher_force else runs["nvfp4"]["tokens"]
+    stage(cfg, f"nvfp4: speculative verify step, {k} tokens per sequence")
+    verify_logits = verify_step(cfg, params, spec_caches, spec_alloc, scales, ragged,
+                                fed[:, :k], num_tokens)
+    del spec_caches
+    bounds = match_bounds(cfg, platform)
+
+    valid = np.arange(prompts.shape[1])[None, :] < np.asarray(prompt_lens)[:, None]
+    pdiff = np.abs(chunk_logits - dense_logits)[valid]
+    p_same = chunk_logits.argmax(-1)[valid] == dense_logits.argmax(-1)[valid]
+    chunked = dict(
+        chunk=cfg.prefill_chunk, **chunk_info, positions=int(valid.sum()),
+        max_abs_diff=float(pdiff.max()), mean_abs_diff=float(pdiff.mean()),
+        mean_abs_logit=float(np.abs(dense_logits[valid]).mean()),
+        argmax_same=int(p_same.sum()), bound=bounds["prefill"], bound_measured=bounds["measured"],
+        traces=trace_counter["ragged"], jit_cache_size=ragged._cache_size(),
+        logits=chunk_logits, dense_logits=dense_logits,
+        path=_ragged_path(cfg, platform))
+    chunked["passed"] = bool(np.isfinite(pdiff).all() and chunked["max_abs_diff"]
+                             <= chunked["bound"])
+    step_logits = runs["nvfp4"]["logits"][:, :k]
+    sdiff = np.abs(verify_logits - step_logits)
+    s_same = verify_logits.argmax(-1) == step_logits.argmax(-1)
+    accepted = _leading_true(verify_logits.argmax(-1) == fed[:, 1:k + 1])
+    spec = dict(draft_tokens=k, tokens=fed[:, :k], drafts=fed[:, 1:k + 1],
+                logits=verify_logits, max_abs_diff=float(sdiff.max()),
+                mean_abs_diff=float(sdiff.mean()), argmax_same=int(s_same.sum()),
+                positions=int(s_same.size), accepted=accepted.tolist(),
+                bound=bounds["verify"], bound_measured=bounds["measured"], path=chunked["path"])
+    # Equal to the steps within the bound and the same greedy choice at every position: the
+    # model drafting for itself has every draft accepted.
+    spec["passed"] = bool(np.isfinite(sdiff).all() and spec["max_abs_diff"] <= spec["bound"]
+                          and spec["argmax_same"] == spec["positions"])
+
+    # Compare with the bf16 run. Token 0 comes from each run's prefill (the last prompt
+    # position), token i + 1 from decode step i.
     a, b = runs["nvfp4"], runs["bf16"]
-    produced_a, produced_b = a["tokens"][:, 1:], b["tokens"][:, 1:]
+    logits_a = np.concatenate([a["first_logits"][:, None], a["logits"]], axis=1)
+    logits_b = np.concatenate([b["first_logits"][:, None], b["logits"]], axis=1)
+    same = a["tokens"] == b["tokens"]                        # [B, steps + 1]
+    first_divergence = np.where(same.all(1), cfg.steps + 1, np.argmin(same, axis=1))
     if cfg.teacher_force:   # same inputs at every step: compare each step's greedy choice
-        same = produced_a == produced_b
         comparable = np.ones_like(same)
-        first_divergence = np.where(same.all(1), cfg.steps, np.argmin(same, axis=1))
     else:                   # free-running: the histories match up to the first difference
-        same = produced_a == produced_b
-        first_divergence = np.where(same.all(1), cfg.steps, np.argmin(same, axis=1))
-        comparable = np.arange(cfg.steps)[None, :] <= first_divergence[:, None]
-    diff = np.abs(a["logits"] - b["logits"])[comparable]
-    kl = _kl(b["logits"][comparable], a["logits"][comparable])   # KL(bf16 run || NVFP4 run)
-    top2 = np.sort(b["logits"][comparable], axis=-1)[:, -2:]
+        comparable = np.arange(cfg.steps + 1)[None, :] <= first_divergence[:, None]
+    diff = np.abs(logits_a - logits_b)[comparable]
+    kl = _kl(logits_b[comparable], logits_a[comparable])   # KL(bf16 run || NVFP4 run)
+    top2 = np.sort(logits_b[comparable], axis=-1)[:, -2:]
     margin = top2[:, 1] - top2[:, 0]          # how close the bf16 run's greedy choices were
     results = dict(
         config=dataclasses.asdict(cfg),
         device=str(_default_device()),
-        platform=_default_device().platform,
+        platform=platform,
         prompt_lens=prompt_lens,
         prompts=prompts,
         tokens_nvfp4=a["tokens"], tokens_bf16=b["tokens"],     # [B, steps + 1]
-        logits_nvfp4=a["logits"], logits_bf16=b["logits"],     # [B, steps, vocab]
+        logits_nvfp4=logits_a, logits_bf16=logits_b,           # [B, steps + 1, vocab]
         agreement=float(same.mean()),
         # Greedy choices made from identical inputs that agree (equals agreement when
-        # teacher-forced; free-running: every step up to and including the first divergence).
+        # teacher-forced; free-running: every token up to and including the first difference).
         step_agreement=float(same[comparable].mean()),
         first_divergence=first_divergence.tolist(),
         logits_max_abs_diff=float(diff.max()),
         logits_mean_abs_diff=float(diff.mean()),
-        logits_mean_abs=float(np.abs(b["logits"]).mean()),
+        logits_mean_abs=float(np.abs(logits_b).mean()),
         logits_kl_mean=float(kl.mean()),
         model=model_note,
         prompt_sources=sources,
         continuations=truths,            # the held-out text that follows each prompt
         logits_compared_steps=int(comparable.sum()),
         bf16_top2_margin_median=float(np.median(margin)),
+        chunked_prefill=chunked,
+        speculative=spec,
+        checks_passed=chunked["passed"] and spec["passed"],
         tokens_per_s={k: r["tokens_per_s"] for k, r in runs.items()},
         first_step_s={k: r["first_step_s"] for k, r in runs.items()},
         cache_bytes={k: r["cache_bytes"] for k, r in runs.items()},
@@ -594,12 +919,14 @@ def report(cfg, r):
               f"{r['bf16_top2_margin_median']:.3f}), and once one token differs every later "
               f"input of that sequence differs too")
     else:
-        firsts = [f for f in r["first_divergence"] if f < cfg.steps]
-        where = (f"sequences first differ at step {', '.join(map(str, sorted(firsts)))} of "
-                 f"{cfg.steps}" if firsts else f"no sequence differs in {cfg.steps} steps")
+        n = cfg.steps + 1
+        firsts = [f for f in r["first_divergence"] if f < n]
+        where = (f"sequences first differ at generated token {', '.join(map(str, sorted(firsts)))}"
+                 f" of 0..{cfg.steps}" if firsts else f"no sequence differs in {n} tokens")
         print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}% ({where}; "
               f"after a first difference every later input of that sequence differs too); "
               f"benchmarks/quality_bench.py measures the cost in bits per byte")
+    report_checks(cfg, r)
     if r["prompt_sources"] is not None:
         report_samples(cfg, r)
     if not cfg.verbose:
@@ -619,11 +946,65 @@ def report(cfg, r):
               f"{r['jit_cache_size'][k]}, caches donated {r['caches_donated'][k]}, aliased "
               f"outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k]}, cache copies in "
               f"HLO {r['hlo_cache_copies'][k]}")
-    print(f"first divergence step per sequence: {r['first_divergence']} (of {cfg.steps})")
+    c = r["chunked_prefill"]
+    print(f"prefill: bf16 run dense (the prompts' K/V stored at once: a bf16 cache has no "
+          f"ragged reader); nvfp4 run chunked, {c['steps']} ragged steps of {c['num_tokens']} "
+          f"packed tokens (query tokens per step {c['tokens_per_step']}, sequences per step "
+          f"{c['seqs_per_step']}), first step incl. compile {c['first_step_s']:.2f} s, "
+          f"{c['seconds']:.2f} s in all, ragged step traced {c['traces']}x (prefill and verify), "
+          f"jit cache entries {c['jit_cache_size']}, caches donated {c['caches_donated']}, "
+          f"ragged attention: {c['path']} path")
+    print(f"first differing generated token per sequence: {r['first_divergence']} (token 0 from "
+          f"the prefill; {cfg.steps + 1}: none)")
     for b in range(min(cfg.batch, 4)):
         print(f"  seq {b} bf16 : {r['tokens_bf16'][b, :12].tolist()}")
         print(f"  seq {b} nvfp4: {r['tokens_nvfp4'][b, :12].tolist()}")
     print(f"wall time {r['wall_s']:.1f} s")
+
+
+def _bound_note(check) -> str:
+    return "" if check["bound_measured"] else (
+        ", a provisional bound: the CUDA ragged kernel's error here is not measured yet")
+
+
+def report_checks(cfg, r):
+    """The chunked-prefill and speculative-decoding checks, one line each; a check that fails
+    says FAILED (and the script exits with status 1)."""
+    c, s = r["chunked_prefill"], r["speculative"]
+    chunks = sorted(set(c["chunks_per_prompt"]))
+    each = (f"{chunks[0]}" if len(chunks) == 1 else f"{chunks[0]} to {chunks[-1]}")
+    how = (f"{cfg.batch} prompts through the NVFP4 cache {c['chunk']} tokens at a time ({each} "
+           f"chunks each, {c['steps']} ragged steps)")
+    stats = (f"max |diff| {c['max_abs_diff']:.2g}, mean {c['mean_abs_diff']:.2g} (mean |logit| "
+             f"{c['mean_abs_logit']:.3g}), same argmax at {c['argmax_same']}/{c['positions']}")
+    if c["passed"]:
+        print(f"chunked prefill: {how}: logits match the dense prefill (K/V through NVFP4) "
+              f"within {c['bound']:.3g} at all {c['positions']} prompt positions: {stats}"
+              f"{_bound_note(c)}")
+    else:
+        print(f"chunked prefill: FAILED: {how}: logits differ from the dense prefill (K/V "
+              f"through NVFP4) by more than {c['bound']:.3g} over the {c['positions']} prompt "
+              f"positions: {stats}{_bound_note(c)}")
+    k = s["draft_tokens"]
+    acc = s["accepted"]
+    if cfg.teacher_force:
+        drafts = (f"drafts = the bf16 run's tokens (--teacher-force), accepted per sequence: "
+                  f"{', '.join(map(str, acc))} of {k}")
+    elif min(acc) == k:
+        drafts = f"the model drafting for itself: {k}/{k} drafts accepted in every sequence"
+    else:
+        drafts = (f"the model drafting for itself: drafts accepted per sequence "
+                  f"{', '.join(map(str, acc))} of {k}"
+                  + (" (a tie closer than the difference)" if s["passed"] else ""))
+    how = f"one verify step of {k} tokens per sequence"
+    stats = (f"max |diff| {s['max_abs_diff']:.2g}, same argmax at {s['argmax_same']}/"
+             f"{s['positions']} positions; {drafts}")
+    if s["passed"]:
+        print(f"speculative decoding: {how} equals {k} token-by-token decode steps within "
+              f"{s['bound']:.3g}: {stats}{_bound_note(s)}")
+    else:
+        print(f"speculative decoding: FAILED: {how} differs from {k} token-by-token decode "
+              f"steps by more than {s['bound']:.3g}: {stats}{_bound_note(s)}")
 
 
 def report_samples(cfg, r):
@@ -634,7 +1015,7 @@ def report_samples(cfg, r):
         n = r["prompt_lens"][b]
         runs = {k: bytes(r[f"tokens_{k}"][b].astype(np.uint8)) for k in KINDS}
         same = "same" if runs["nvfp4"] == runs["bf16"] else (
-            f"same first {r['first_divergence'][b] + 1} bytes")
+            f"same first {r['first_divergence'][b]} bytes")
         print(f"  [{b}] {path}, prompt ({n} bytes) ends {_show(bytes(r['prompts'][b, :n].astype(np.uint8)), 40)}")
         print(f"      text : {_show(r['continuations'][b])}")
         print(f"      bf16 : {_show(runs['bf16'])}")
@@ -951,8 +1332,8 @@ def report_long_context(cfg, r):
 def config_problems(cfg: Config) -> list:
     """What is wrong with a configuration, one message per problem (empty: it runs)."""
     problems = []
-    at_least = dict(batch=1, steps=1, layers=1, d_model=1, num_q_heads=1, num_kv_heads=1,
-                    mlp=1, vocab=1, extra_blocks=0, context=0,
+    at_least = dict(batch=1, steps=1, prefill_chunk=1, draft_tokens=1, layers=1, d_model=1,
+                    num_q_heads=1, num_kv_heads=1, mlp=1, vocab=1, extra_blocks=0, context=0,
                     repeats=1, warmup=1 if cfg.long_context else 0)
     for name, low in at_least.items():
         if getattr(cfg, name) < low:
@@ -997,6 +1378,10 @@ def parse_args(argv=None) -> Config:
                    metavar="N", help=f"prompt lengths in tokens, cycled over the batch (default "
                                      f"{' '.join(map(str, d.prompt_lens))})")
     sized("--steps", "decode steps (with --long-context: timed steps per repeat)")
+    sized("--prefill-chunk", "prompt tokens per sequence in each chunked-prefill step of the "
+                             "NVFP4 run")
+    sized("--draft-tokens", "tokens per sequence of the speculative-decoding verify step (at "
+                            "most --steps are used)")
     sized("--layers", "transformer layers, each with its own KV cache")
     sized("--d-model", "model width")
     sized("--num-q-heads", "query heads; a multiple of --num-kv-heads")
@@ -1049,8 +1434,9 @@ def parse_args(argv=None) -> Config:
                 f"add --random-weights (the trained model's sizes are fixed)")
     defaults = dict(dataclasses.asdict(d), **(LONG_CONTEXT_DEFAULTS if a.long_context else {}))
     size = {k: getattr(a, k) if getattr(a, k) is not None else defaults[k]
-            for k in ("batch", "steps", "layers", "d_model", "num_q_heads", "num_kv_heads",
-                      "head_size", "mlp", "vocab", "block_size", "context")}
+            for k in ("batch", "steps", "prefill_chunk", "draft_tokens", "layers", "d_model",
+                      "num_q_heads", "num_kv_heads", "head_size", "mlp", "vocab", "block_size",
+                      "context")}
     cfg = Config(prompt_lens=tuple(a.prompt_lens), layout=a.layout,
                  random_weights=random_weights,
                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
@@ -1072,5 +1458,11 @@ def main(argv=None) -> dict:
     return run_long_context(cfg) if cfg.long_context else run(cfg)
 
 
+def cli(argv=None) -> int:
+    """:func:`main`, then the exit status: 1 when a check failed (chunked prefill or the verify
+    step beyond its bound), else 0."""
+    return 0 if main(argv).get("checks_passed", True) else 1
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

@@ -40,6 +40,9 @@ def example():
     (["--long-context", "--repeats", "0"], "--repeats must be >= 1"),
     (["--long-context", "--context", "-5"], "--context must be >= 0"),
     (["--steps", "0", "--batch", "0"], "--batch must be >= 1, got 0; --steps must be >= 1"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
+    (["--prefill-chunk", "-2"], "--prefill-chunk must be >= 1, got -2"),
+    (["--draft-tokens", "0"], "--draft-tokens must be >= 1, got 0"),
 ])
 def test_bad_options_are_refused_by_name(example, capsys, argv, words):
     with pytest.raises(SystemExit) as info:
@@ -55,6 +58,9 @@ def test_good_options_pass(example):
                               "--num-q-heads", "12", "--num-kv-heads", "3", "--extra-blocks", "0"])
     assert (cfg.head_size, cfg.block_size, cfg.num_q_heads, cfg.num_kv_heads) == (128, 4, 12, 3)
     assert example.parse_args(["--long-context"]).warmup == 2
+    cfg = example.parse_args(["--prefill-chunk", "1", "--draft-tokens", "100"])
+    assert (cfg.prefill_chunk, cfg.draft_tokens) == (1, 100)   # at most --steps drafts are used
+    assert (example.Config().prefill_chunk, example.Config().draft_tokens) == (24, 4)
 
 
 def test_help_describes_every_option_with_its_default():
@@ -63,7 +69,8 @@ def test_help_describes_every_option_with_its_default():
                          text=True, check=True, timeout=120, env=env).stdout
     flat = " ".join(out.split())
     options = [word.rstrip(",") for word in flat.split() if word.startswith("--")]
-    for option in ("--batch", "--prompt-lens", "--steps", "--layers", "--d-model",
+    for option in ("--batch", "--prompt-lens", "--steps", "--prefill-chunk", "--draft-tokens",
+                   "--layers", "--d-model",
                    "--num-q-heads", "--num-kv-heads", "--head-size", "--mlp", "--vocab",
                    "--block-size", "--layout", "--scale-search", "--extra-blocks",
                    "--teacher-force", "--seed", "--no-progress", "--long-context", "--context",
@@ -71,7 +78,9 @@ def test_help_describes_every_option_with_its_default():
         assert option in options, option
     for default in ("(default 4 (32 with --long-context))", "(default 64 96 128 160)",
                     "(default 16)", "(default 'HND')", "(default 'default')", "(default 8)",
-                    "(default 0)", "(default 32768)", "(default 5)", "(default 2)"):
+                    "(default 0)", "(default 32768)", "(default 5)", "(default 2)",
+                    "chunked-prefill step of the NVFP4 run (default 24)",
+                    "verify step (at most --steps are used) (default 4)"):
         assert default in flat, default
     # Every option line has a description: no option is followed directly by the next one.
     lines = [line for line in out.splitlines() if line.strip().startswith("--")]
