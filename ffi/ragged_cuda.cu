@@ -50,10 +50,21 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // query rows per CTA (jax_nvfp4/ragged_primitive.py)
 constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+// Build-time variants for measuring (CMAKE_CUDA_FLAGS): positions per step for head size
+// 128, q fragments in registers (64 and 128), CTAs per SM the registers are budgeted for.
+#ifndef NVFP4_RAGGED_KV_TILE
+#define NVFP4_RAGGED_KV_TILE 64
+#endif
+#ifndef NVFP4_RAGGED_Q_IN_REGISTERS
+#define NVFP4_RAGGED_Q_IN_REGISTERS 1
+#endif
+#ifndef NVFP4_RAGGED_MIN_CTAS
+#define NVFP4_RAGGED_MIN_CTAS 2
+#endif
 
 template <int kHead>
 struct RaggedShape {
-  static constexpr int kKv = kHead >= 256 ? 32 : 64;  // positions converted per step
+  static constexpr int kKv = kHead >= 256 ? 32 : kHead == 128 ? NVFP4_RAGGED_KV_TILE : 64;
   static constexpr int kStride = kHead + 8;            // halves per shared row (+16 B: no
                                                        // bank conflicts for ldmatrix)
   static constexpr int kKSteps = kHead / 16;           // MMA k-steps of S
@@ -69,7 +80,9 @@ struct RaggedShape {
   static constexpr int kScaleBytes = kThreadDims / 16;  // 4 or 8
   // q's fragments in registers for the whole CTA (head size 256: from shared memory each step,
   // the O accumulators need the registers).
-  static constexpr bool kQInRegisters = kHead <= 128;
+  static constexpr bool kQInRegisters = kHead <= 128 && NVFP4_RAGGED_Q_IN_REGISTERS;
+  // CTAs per SM the registers are budgeted for (head size 256: shared memory allows 2 at most).
+  static constexpr int kMinCtasPerSm = kHead >= 256 ? 2 : NVFP4_RAGGED_MIN_CTAS;
   // The raw page bytes of a step are copied (cp.async) into a ring of kStages stages, kStages - 1
   // steps ahead of their conversion: what is in flight per CTA, ~3 x 9 KB, hides the memory
   // latency where a step's tensor-core work is short (few query rows). A staged code row is
@@ -358,7 +371,7 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
 // The kernel.
 
 template <int kHead, bool kSwizzle, Layout kLayout>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
     RaggedKernel(const RaggedProblem p, const RaggedGrid grid) {
   using R = RaggedShape<kHead>;
   extern __shared__ __align__(16) uint8_t smem[];
