@@ -5,28 +5,30 @@
 // Work: one CTA (4 warps) per (query tile, kv head, stacked member, split). A query tile is up
 // to kRows = 64 query rows of one sequence, a row being one (query token, query head of this kv
 // head): sequence b's q_len_b * group rows, token-major, cut into tiles. The grid's x axis has
-// an upper bound of slots (ceil(T * group / 64) + min(S, T)); each CTA finds its sequence and
-// tile from cu_q_lens with a warp scan (the sequence layout is a device value: no host plan),
-// and slots past the last tile exit. A further ceil(T / 64) slots write zeros for the tokens no
-// sequence owns. The rules (which tokens a sequence owns, which positions a query sees) are
+// an upper bound of slots (ceil(T * group / 64) + min(S, T)) times the kv heads, the kv head
+// varying fastest; each CTA finds its sequence and tile from cu_q_lens with a warp scan (the
+// sequence layout is a device value: no host plan), and slots past the last tile exit. A
+// further ceil(T / 64) slots write zeros for the tokens no sequence owns. The rules (which tokens a sequence owns, which positions a query sees) are
 // jax_nvfp4.reference.ragged_token_plan's.
 //
 // Per step the CTA converts kKv positions of K and V (the pages of this kv head) from FP4 codes
 // to fp16 in shared memory, once for every query row of the tile, exactly (attention_device.cuh;
 // head dimensions permuted within groups of 8, q permuted to match, the output written back in
-// true order). The raw page bytes reach shared memory by cp.async, kStages - 1 steps ahead of
-// their conversion (a ring of stages), so the memory latency is hidden even where a step's
-// tensor-core work is short; two barriers a step order the ring and the one fp16 K/V buffer.
-// Each warp then multiplies on the tensor cores (mma.sync m16n8k16, fp16 in, float32
-// accumulate; FlashAttention-2 style):
-//   S = Q K^T   16 query rows in M, positions in N, head dims in K (fragments by ldmatrix),
-//   O += P V    query rows in M, head dims in N, positions in K (V by ldmatrix.trans),
-// with a float32 online softmax per row. A tile of more than 32 rows gives each warp 16 rows
-// and all of a step's positions; a tile of 16 or 32 rows (speculative decoding, decode tokens of
-// a mixed batch) gives each warp a quarter or half of the positions instead (each page is still
-// read once for all of the tile's rows), and the warps' partial results are merged through
-// shared memory at the end. Long contexts with few tiles split across CTAs (split-KV) and a
-// second kernel merges the splits.
+// true order), in the 128-byte-swizzled layout wgmma reads. The raw page bytes reach shared
+// memory by cp.async, kStages - 1 steps ahead of their conversion (a ring of stages); two
+// barriers a step order the ring and the one fp16 K/V buffer. Then, FlashAttention-2 style with
+// a float32 online softmax per row:
+//   S = Q K^T   query rows in M, positions in N, head dims in K,
+//   O += P V    query rows in M, head dims in N, positions in K (P from the S accumulators).
+// A tile of 64 rows (prefill chunks) multiplies on wgmma (sm_90a; head sizes 64 and 128): the
+// CTA's 4 warps are one warpgroup, q and P in registers, K and V read from shared memory
+// through descriptors. Other tiles, head size 256 and other GPUs use mma.sync m16n8k16 (fp16 in,
+// float32 accumulate; fragments by ldmatrix): a tile of more than 32 rows gives each warp 16
+// rows and all of a step's positions; a tile of 16 or 32 rows (speculative decoding, decode
+// tokens of a mixed batch) gives each warp a quarter or half of the positions instead (each page
+// is still read once for all of the tile's rows), and the warps' partial results are merged
+// through shared memory at the end. Long contexts with few tiles split across CTAs (split-KV)
+// and a second kernel merges the splits.
 //
 // Only the pages a tile needs are read (positions < the end of its last row), page ids are
 // clamped into the cache, positions a row may not see are masked (-inf scores), positions past
@@ -61,11 +63,18 @@ constexpr uint32_t kFullMask = 0xFFFFFFFFu;
 #ifndef NVFP4_RAGGED_MIN_CTAS
 #define NVFP4_RAGGED_MIN_CTAS 2
 #endif
+// wgmma exists in device code compiled for sm_90a (CMakeLists.txt builds 90a).
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kHasWgmma = true;
+#else
+constexpr bool kHasWgmma = false;
+#endif
+
 
 template <int kHead>
 struct RaggedShape {
   static constexpr int kKv = kHead >= 256 ? 32 : kHead == 128 ? NVFP4_RAGGED_KV_TILE : 64;
-  static constexpr int kStride = kHead + 8;            // halves per shared row (+16 B: no
+  static constexpr int kStride = kHead + 8;            // halves per shared q row (+16 B: no
                                                        // bank conflicts for ldmatrix)
   static constexpr int kKSteps = kHead / 16;           // MMA k-steps of S
   static constexpr int kSTiles = kKv / 8;              // n-tiles of S
@@ -83,6 +92,9 @@ struct RaggedShape {
   static constexpr bool kQInRegisters = kHead <= 128 && NVFP4_RAGGED_Q_IN_REGISTERS;
   // CTAs per SM the registers are budgeted for (head size 256: shared memory allows 2 at most).
   static constexpr int kMinCtasPerSm = kHead >= 256 ? 2 : NVFP4_RAGGED_MIN_CTAS;
+  // Tiles of 64 rows multiply on wgmma where it exists (sm_90a), with q from registers; the
+  // others (and head size 256) on mma.sync.
+  static constexpr bool kWgmma = kHasWgmma && kQInRegisters && kKv == 64;
   // The raw page bytes of a step are copied (cp.async) into a ring of kStages stages, kStages - 1
   // steps ahead of their conversion: what is in flight per CTA, ~3 x 9 KB, hides the memory
   // latency where a step's tensor-core work is short (few query rows). A staged code row is
@@ -91,20 +103,35 @@ struct RaggedShape {
   static constexpr int kRawStride = kHead / 2 + 16;
   static constexpr int kRawCodeBytes = 2 * kKv * kRawStride;
   static constexpr int kRawStageBytes = kRawCodeBytes + 2 * kKv * kScales;
-  // Shared memory: q, one buffer of fp16 K and V, the raw ring, per-row data. The warps' final
-  // states reuse the K/V buffer and the ring.
-  static constexpr int kTileHalves = kKv * kStride;
+  // The fp16 K and V of a step, each [kHead / 64 blocks][kKv positions][64 dims] with 128-byte
+  // rows and the 128-byte swizzle (16-byte chunk c of position p at chunk c ^ (p % 8)): the
+  // layout wgmma reads through a descriptor, K-major for K in S = Q K^T and MN-major for V in
+  // O = P V (checked on an H200 by a probe, benchmarks/NOTES.md), and conflict-free for
+  // ldmatrix and the conversion's 16-byte stores.
+  static constexpr int kBlockBytes = kKv * 128;          // one 64-dim block of one side
+  static constexpr int kSideBytes = kHead / 64 * kBlockBytes;
+  static constexpr int kKvBytes = 2 * kSideBytes;
+  // Shared memory: the K/V buffer first (1024-byte aligned for the swizzle), q, the raw ring,
+  // per-row data. The warps' final states reuse the K/V buffer, q and the ring.
   static constexpr int kQBytes = kRows * kStride * 2;
-  static constexpr int kKvBytes = 2 * kTileHalves * 2;
   static constexpr int kRingBytes = kStages * kRawStageBytes;
   static constexpr int kMergeFloats = kWarps * 16 * (kHead + 2);
   static constexpr int kRowBytes = kRows * 3 * 4;
-  static constexpr int kSmemBytes = kQBytes + kKvBytes + kRingBytes + kRowBytes;
-  static_assert(kMergeFloats * 4 <= kKvBytes + kRingBytes, "the merge reuses the K/V buffers");
+  static constexpr int kSmemBytes = kKvBytes + kQBytes + kRingBytes + kRowBytes;
+  static_assert(kMergeFloats * 4 <= kKvBytes + kQBytes + kRingBytes,
+                "the merge reuses the K/V buffer, q and the ring");
+  static_assert(kHead % 64 == 0 && kKvBytes % 1024 == 0, "whole 128-byte swizzle atoms");
   static_assert(kScaleBytes == 4 || kScaleBytes == 8, "scale copies of 4 or 8 bytes");
   static_assert(kRawStageBytes % 16 == 0 && kQBytes % 16 == 0 && kKvBytes % 16 == 0,
                 "16-byte aligned regions");
 };
+
+// Byte offset, in one side of the K/V buffer, of the 16 bytes holding dims [8 c, 8 c + 8) of
+// position p (RaggedShape: 64-dim blocks of 128-byte rows, 128-byte swizzle).
+template <int kHead>
+__device__ __forceinline__ int kv_chunk(int p, int c) {
+  return (c >> 3) * RaggedShape<kHead>::kBlockBytes + p * 128 + (((c & 7) ^ (p & 7)) << 4);
+}
 
 // ------------------------------------------------------------------------------------------
 // Shared-memory fragment loads.
@@ -123,6 +150,71 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(p)));
+}
+
+// wgmma (sm_90a): one warpgroup (the CTA's 4 warps) multiplies a 64-row A held in registers
+// (the mma.sync A-fragment layout, warp w holding rows 16 w .. 16 w + 15) by a B in shared
+// memory read through a descriptor; the accumulators have the mma.sync C layout, 8 columns per
+// group of 4 registers.
+// A shared-memory matrix descriptor, 128-byte swizzle: start address, the byte offset between
+// 64-element blocks along the leading dimension (MN-major B) and between 8-row groups.
+__device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leading_bytes,
+                                                  uint32_t stride_bytes) {
+  const uint32_t a = shared_address(p);
+  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit_and_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" :::
+                   "memory");
+#endif
+}
+
+// d[64 x 64] += a[64 x 16] b[16 x 64]; kTransB: b is MN-major (else K-major).
+template <int kTransB>
+__device__ __forceinline__ void wgmma_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
+      "%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, %37;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB));
+#endif
+}
+
+// d[64 x 128] += a[64 x 16] b[16 x 128], b MN-major.
+__device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4],
+                                                     uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
+      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,"
+      "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
+      "{%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+        "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#endif
 }
 
 // Asynchronous global -> shared copies (cp.async), zero-filled without reading when !valid.
@@ -242,6 +334,7 @@ __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int3
 // What a CTA knows of its launch.
 struct RaggedGrid {
   int32_t tile_slots;     // slots of query tiles; the rest zero the tokens nobody owns
+  FastDivmod num_kv_heads;
   FastDivmod group;       // query heads per kv head
   FastDivmod block_size;
 };
@@ -309,12 +402,15 @@ template <int kHead, bool kSwizzle>
 __device__ __forceinline__ void convert_vector(const uint8_t* stage,
                                                const StageSlot<kHead>& slot, int side,
                                                int position, int part, bool valid,
-                                               uint16_t* dst) {
+                                               uint8_t* side_buffer) {
   using R = RaggedShape<kHead>;
+  const int chunk0 = part * R::kThreadDims / 8;
+  const auto dst = [&](int w) {
+    return reinterpret_cast<uint4*>(side_buffer + kv_chunk<kHead>(position, chunk0 + w));
+  };
   if (!valid) {
 #pragma unroll
-    for (int w = 0; w < R::kCodeWords; ++w)
-      *reinterpret_cast<uint4*>(dst + 8 * w) = make_uint4(0, 0, 0, 0);
+    for (int w = 0; w < R::kCodeWords; ++w) *dst(w) = make_uint4(0, 0, 0, 0);
     return;
   }
   uint32_t scales[R::kScaleBytes / 4];
@@ -359,9 +455,8 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
         const int w = 4 * pair + 2 * half + k;
         uint32_t r[4];
         e2m1x8_to_f16x2(codes[w], r);
-        *reinterpret_cast<uint4*>(dst + 8 * w) =
-            make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
-                       hmul2(r[3], scale));
+        *dst(w) = make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
+                             hmul2(r[3], scale));
       }
     }
   }
@@ -374,18 +469,23 @@ template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
     RaggedKernel(const RaggedProblem p, const RaggedGrid grid) {
   using R = RaggedShape<kHead>;
-  extern __shared__ __align__(16) uint8_t smem[];
-  uint16_t* q_smem = reinterpret_cast<uint16_t*>(smem);
-  uint16_t* kv_smem = reinterpret_cast<uint16_t*>(smem + R::kQBytes);  // [K, V][kKv][kStride]
-  uint8_t* ring = smem + R::kQBytes + R::kKvBytes;                      // [kStages][stage]
-  float* merge_smem = reinterpret_cast<float*>(smem + R::kQBytes);     // after the loop
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* kv_smem = smem;                                        // [K, V][blocks][kKv][64]
+  uint16_t* q_smem = reinterpret_cast<uint16_t*>(smem + R::kKvBytes);
+  uint8_t* ring = smem + R::kKvBytes + R::kQBytes;                  // [kStages][stage]
+  float* merge_smem = reinterpret_cast<float*>(smem);              // after the loop
   int32_t* row_end = reinterpret_cast<int32_t*>(ring + R::kRingBytes);
   float* row_scale = reinterpret_cast<float*>(row_end + kRows);
   int32_t* row_q = row_end + 2 * kRows;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
-  const int32_t kv_head = blockIdx.y;
+  // Block x is (slot, kv head), the kv head fastest: every head's tiles of the first sequences
+  // are launched first (in a mixed batch the first sequences' long few-row tiles then do not
+  // trail in the last wave of the grid).
+  uint32_t head;
+  const int32_t slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
+  const int32_t kv_head = int32_t(head);
   const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
   const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
   const int32_t group = int32_t(grid.group.divisor);
@@ -393,7 +493,6 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
   const int32_t ns =
       min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
   const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
-  const int32_t slot = blockIdx.x;
 
   if (slot >= grid.tile_slots) {
     // Zeros for the tokens of this slot's 64 that no sequence owns.
@@ -511,8 +610,7 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
   const int side = threadIdx.x / (kThreads / 2);
   const int vector = (threadIdx.x % (kThreads / 2)) / R::kThreadsPerVector;  // position in step
   const int part = threadIdx.x % R::kThreadsPerVector;
-  uint16_t* const convert_dst =
-      kv_smem + (side * R::kKv + vector) * R::kStride + part * R::kThreadDims;
+  uint8_t* const convert_dst = kv_smem + side * R::kSideBytes;
   const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, part);
 
   const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
@@ -582,10 +680,16 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
       page_ahead = page_of(ahead + 1);
     }
     copy_async_commit();
+    if constexpr (R::kWgmma) {
+      // The converted K/V are read by the tensor cores (the async proxy) next.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
     __syncthreads();  // the K/V buffer is complete
-    if (!has_rows) continue;
-    const uint16_t* k_tile = kv_smem;
-    const uint16_t* v_tile = kv_smem + R::kTileHalves;
+    // A tile of 64 rows on wgmma: the whole warpgroup, every warp (also one without rows).
+    const bool wgmma_tile = R::kWgmma && row_warps == kWarps;
+    if (!has_rows && !wgmma_tile) continue;
+    const uint8_t* k_tile = kv_smem;
+    const uint8_t* v_tile = kv_smem + R::kSideBytes;
     const int32_t step_base = begin + step * R::kKv;
 
     // S = Q K^T over this warp's positions.
@@ -594,24 +698,37 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
     for (int t = 0; t < R::kSTiles; ++t)
 #pragma unroll
       for (int c = 0; c < 4; ++c) s[t][c] = 0.f;
+    if (wgmma_tile) {
+      if constexpr (R::kWgmma) {
+        wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < R::kKSteps; k += 2) {
-      uint32_t a0[4], a1[4];
-      if constexpr (R::kQInRegisters) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) a0[c] = qf[k][c], a1[c] = qf[k + 1][c];
-      } else {
-        const uint16_t* q_at = q_smem + (mt * 16 + (lane & 15)) * R::kStride + (lane >> 4) * 8;
-        ldmatrix_x4(a0, q_at + 16 * k);
-        ldmatrix_x4(a1, q_at + 16 * (k + 1));
+        for (int k = 0; k < R::kKSteps; ++k)  // K-major B: dims 16 k .. 16 k + 15 of each row
+          wgmma_64x64<0>(reinterpret_cast<float(&)[32]>(s), qf[k],
+                         swizzled_desc(k_tile + (k / 4) * R::kBlockBytes + (k % 4) * 32, 16,
+                                       1024));
+        wgmma_commit_and_wait();
       }
+    } else {
 #pragma unroll
-      for (int t = 0; t < R::kSTiles; ++t) {
-        if (t * 8 >= part_len) break;
-        uint32_t b[4];
-        ldmatrix_x4(b, k_tile + (kv0 + 8 * t + (lane & 7)) * R::kStride + 16 * k + (lane >> 3) * 8);
-        mma_16816(s[t], a0, b[0], b[1]);
-        mma_16816(s[t], a1, b[2], b[3]);
+      for (int k = 0; k < R::kKSteps; k += 2) {
+        uint32_t a0[4], a1[4];
+        if constexpr (R::kQInRegisters) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) a0[c] = qf[k][c], a1[c] = qf[k + 1][c];
+        } else {
+          const uint16_t* q_at =
+              q_smem + (mt * 16 + (lane & 15)) * R::kStride + (lane >> 4) * 8;
+          ldmatrix_x4(a0, q_at + 16 * k);
+          ldmatrix_x4(a1, q_at + 16 * (k + 1));
+        }
+#pragma unroll
+        for (int t = 0; t < R::kSTiles; ++t) {
+          if (t * 8 >= part_len) break;
+          uint32_t b[4];
+          ldmatrix_x4(b, k_tile + kv_chunk<kHead>(kv0 + 8 * t + (lane & 7), 2 * k + (lane >> 3)));
+          mma_16816(s[t], a0, b[0], b[1]);
+          mma_16816(s[t], a1, b[2], b[3]);
+        }
       }
     }
 
@@ -656,22 +773,43 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
     }
 
     // O += P V: P from the S accumulators (the A fragment of 16 positions is two n-tiles).
+    if (wgmma_tile) {
+      if constexpr (R::kWgmma) {
+        uint32_t a[R::kPSteps][4];
 #pragma unroll
-    for (int k = 0; k < R::kPSteps; ++k) {
-      if (k * 16 >= part_len) break;
-      const uint32_t a[4] = {pack_f16x2(s[2 * k][0], s[2 * k][1]),
-                             pack_f16x2(s[2 * k][2], s[2 * k][3]),
-                             pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]),
-                             pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3])};
-      const uint16_t* v_at =
-          v_tile + (kv0 + 16 * k + (lane & 7) + ((lane >> 3) & 1) * 8) * R::kStride +
-          (lane >> 4) * 8;
+        for (int k = 0; k < R::kPSteps; ++k) {
+          a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
+          a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
+          a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
+          a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
+        }
+        wgmma_fence();
 #pragma unroll
-      for (int t = 0; t < R::kOTiles; t += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_at + 8 * t);
-        mma_16816(o[t], a, b[0], b[1]);
-        mma_16816(o[t + 1], a, b[2], b[3]);
+        for (int k = 0; k < R::kPSteps; ++k) {  // MN-major B: positions 16 k .. 16 k + 15
+          const uint64_t b = swizzled_desc(v_tile + 16 * k * 128, R::kBlockBytes, 1024);
+          if constexpr (kHead == 128)
+            wgmma_64x128_trans_b(reinterpret_cast<float(&)[64]>(o), a[k], b);
+          else
+            wgmma_64x64<1>(reinterpret_cast<float(&)[32]>(o), a[k], b);
+        }
+        wgmma_commit_and_wait();
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < R::kPSteps; ++k) {
+        if (k * 16 >= part_len) break;
+        const uint32_t a[4] = {pack_f16x2(s[2 * k][0], s[2 * k][1]),
+                               pack_f16x2(s[2 * k][2], s[2 * k][3]),
+                               pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]),
+                               pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3])};
+        const int row = kv0 + 16 * k + (lane & 7) + ((lane >> 3) & 1) * 8;
+#pragma unroll
+        for (int t = 0; t < R::kOTiles; t += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_tile + kv_chunk<kHead>(row, t + (lane >> 4)));
+          mma_16816(o[t], a, b[0], b[1]);
+          mma_16816(o[t + 1], a, b[2], b[3]);
+        }
       }
     }
   }
@@ -772,10 +910,10 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
     configured = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                       cudaSharedmemCarveoutMaxShared);
   if (configured != cudaSuccess) return configured;
-  const RaggedGrid grid{int32_t(TileSlots(p)),
+  const RaggedGrid grid{int32_t(TileSlots(p)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
-  const dim3 blocks(uint32_t(TileSlots(p) + FillSlots(p)), uint32_t(p.page.num_kv_heads),
+  const dim3 blocks(uint32_t((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
@@ -813,7 +951,7 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return RaggedArgumentError("kv_cache has no pages but block_tables has columns");
-  if (TileSlots(p) + FillSlots(p) >= (int64_t(1) << 31))
+  if ((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads >= (int64_t(1) << 31))
     return RaggedArgumentError("more than 2^31 CTAs");
   cudaError_t launched;
   switch (p.page.head_size) {

@@ -122,8 +122,8 @@ inline ffi::Error MakeRaggedProblem(
   constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
   if (rows * head_size > kLimit || rows * partial * head_size > kLimit ||
       cache_dims[1] > kLimit || table_dims[2] * p->page.block_size > kLimit ||
-      max_num_seqs + 1 > kLimit || p->page.num_kv_heads > 65535)
-    return RaggedArgumentError("sizes beyond 2^31 (or more than 65535 kv heads)");
+      max_num_seqs + 1 > kLimit)
+    return RaggedArgumentError("sizes beyond 2^31");
 
   p->q = q.untyped_data();
   p->kv_cache = kv_cache.typed_data();
