@@ -1,0 +1,38 @@
+"""The ragged-attention kernel's cases for compute-sanitizer (a script, not a pytest module): every
+code path once and small (head sizes 64/128/256, both layouts, both V-scale orders, block sizes
+8..32, GQA 1/4, tiles of 4 to 64 rows on mma.sync and wgmma, a split-KV plan with its merge, the
+zero fill of unowned tokens, a sequence with more queries than cached tokens), each checked
+against the jnp path run on the CPU. On a GPU machine, from the repository root (TESTING.md has
+the environment the sanitizers need):
+
+    compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import numpy as np, jax, jax.numpy as jnp
+import jax_nvfp4 as nv
+from ragged_cases import RaggedCase, ragged_jit
+cpu, gpu = jax.devices("cpu")[0], jax.devices("gpu")[0]
+cases = [
+    # seed, seqs, head, layout, swizzle, bs, kv heads, q heads
+    (1, ((37, 1), (50, 4), (70, 23), (21, 21), (9, 0), (33, 11)), 128, "HND", True, 16, 2, 8),
+    (2, ((37, 1), (50, 4), (70, 23), (21, 21)), 64, "NHD", False, 12, 2, 8),
+    (3, ((200, 70), (30, 30)), 256, "HND", True, 8, 1, 8),
+    (4, ((3000, 4),), 128, "NHD", True, 16, 2, 8),          # split-KV + merge
+    (5, ((129, 130), (64, 1)), 64, "HND", True, 32, 1, 1),  # q_len > kv_len, GQA 1
+]
+worst = 0.0
+for seed, seqs, d, layout, swz, bs, kv, hq in cases:
+    with jax.default_device(cpu):
+        c = RaggedCase(seed, seqs, head_size=d, layout=layout, v_scale_swizzle=swz, block_size=bs,
+                       num_kv_heads=kv, pad_tokens=5)
+        q = c.query(hq, jnp.bfloat16, seed=seed)
+        ref = np.asarray(ragged_jit(*c.args(q), **c.options).astype(jnp.float32))
+    out = ragged_jit(*jax.device_put(c.args(q), gpu), **c.options, impl="kernel")
+    out = np.asarray(out.astype(jnp.float32))
+    err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
+    worst = max(worst, err)
+    print(f"case {seed}: d={d} {layout} swz={swz} bs={bs}: max err / max|ref| = {err:.2e}", flush=True)
+print("worst", worst, "OK" if worst < 1e-2 else "FAIL")
