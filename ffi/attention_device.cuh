@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_common.cuh"
 #include "ffi_checks.h"
@@ -212,14 +213,19 @@ __device__ __forceinline__ int q_exponent(float amax) {
 // Split-KV: the partial results of `count` splits of one query row (log2-unit lse per split,
 // -inf for a split with nothing in it; the split's output normalised by its own sum), combined
 // with weights 2^(lse_s - max). Returns the combined value of dimension d (0 where every
-// split is empty) and sets *lse2 to the combined log2 lse (-inf then).
+// split is empty, NaN where any split's lse is NaN: a NaN score, as the jnp path gives) and sets
+// *lse2 to the combined log2 lse (-inf, NaN then).
 __device__ __forceinline__ float merge_splits(const float* lse, const float* partial,
                                               int64_t stride, int count, int d, float* lse2) {
   float top = -INFINITY;
-  for (int s = 0; s < count; ++s) top = fmaxf(top, lse[s]);
-  if (top == -INFINITY) {
-    *lse2 = -INFINITY;
-    return 0.f;
+  bool nan = false;
+  for (int s = 0; s < count; ++s) {
+    top = fmaxf(top, lse[s]);  // fmaxf passes NaN over: counted apart
+    nan |= isnan(lse[s]);
+  }
+  if (nan || top == -INFINITY) {
+    *lse2 = nan ? NAN : -INFINITY;
+    return nan ? NAN : 0.f;
   }
   float sum = 0.f, acc = 0.f;
   for (int s = 0; s < count; ++s) {
@@ -230,6 +236,32 @@ __device__ __forceinline__ float merge_splits(const float* lse, const float* par
   }
   *lse2 = top + __log2f(sum);
   return acc / sum;
+}
+
+// ------------------------------------------------------------------------------------------
+// Host: the kernels take the head size, the V-scale order and the layout as template
+// parameters (register arrays and address arithmetic depend on them). These call
+// `launch(std::integral_constant<int, head>)` for the head sizes the kernels are built for
+// (64, 128, 256; any other value: `otherwise`), and `launch(std::bool_constant<swizzle>,
+// std::integral_constant<Layout, layout>)` for the page's options.
+template <typename Launch, typename Result>
+Result WithHeadSize(int64_t head_size, Launch&& launch, Result otherwise) {
+  switch (head_size) {
+    case 64: return launch(std::integral_constant<int, 64>{});
+    case 128: return launch(std::integral_constant<int, 128>{});
+    case 256: return launch(std::integral_constant<int, 256>{});
+    default: return otherwise;
+  }
+}
+
+template <typename Launch>
+cudaError_t WithPageOptions(const PageGeometry& page, Launch&& launch) {
+  using Hnd = std::integral_constant<Layout, Layout::kHND>;
+  using Nhd = std::integral_constant<Layout, Layout::kNHD>;
+  const bool hnd = page.layout == Layout::kHND;
+  if (page.v_scale_swizzle)
+    return hnd ? launch(std::true_type{}, Hnd{}) : launch(std::true_type{}, Nhd{});
+  return hnd ? launch(std::false_type{}, Hnd{}) : launch(std::false_type{}, Nhd{});
 }
 
 }  // namespace

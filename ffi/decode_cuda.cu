@@ -621,17 +621,6 @@ cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
   return cudaGetLastError();
 }
 
-// Head size, V-scale order and layout are compile-time in the kernel (register arrays and
-// address arithmetic depend on them).
-template <int kHead>
-cudaError_t LaunchForOptions(cudaStream_t stream, const DecodeProblem& p) {
-  const bool hnd = p.page.layout == Layout::kHND;
-  if (p.page.v_scale_swizzle)
-    return hnd ? Launch<kHead, true, Layout::kHND>(stream, p)
-               : Launch<kHead, true, Layout::kNHD>(stream, p);
-  return hnd ? Launch<kHead, false, Layout::kHND>(stream, p)
-             : Launch<kHead, false, Layout::kNHD>(stream, p);
-}
 
 ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -650,12 +639,15 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return DecodeArgumentError("kv_cache has no pages but block_tables has columns");
   if (CtasPerSplit(p) >= (int64_t(1) << 31)) return DecodeArgumentError("more than 2^31 CTAs");
-  cudaError_t launched;
-  switch (p.page.head_size) {
-    case 64: launched = LaunchForOptions<64>(stream, p); break;
-    case 128: launched = LaunchForOptions<128>(stream, p); break;
-    default: launched = LaunchForOptions<256>(stream, p); break;
-  }
+  const cudaError_t launched = WithHeadSize(
+      p.page.head_size,
+      [&](auto head) {
+        return WithPageOptions(p.page, [&](auto swizzle, auto layout) {
+          return Launch<decltype(head)::value, decltype(swizzle)::value, decltype(layout)::value>(
+              stream, p);
+        });
+      },
+      cudaErrorInvalidValue);
   if (launched != cudaSuccess) return CudaError("paged_attention", "kernel launch", launched);
   return ffi::Error::Success();
 }
@@ -674,12 +666,8 @@ int ResidentCtas() {
 }  // namespace
 
 int DecodeResidentCtasPerSm(int head_size) {
-  switch (head_size) {
-    case 64: return ResidentCtas<64>();
-    case 128: return ResidentCtas<128>();
-    case 256: return ResidentCtas<256>();
-    default: return 0;
-  }
+  return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },
+                      0);
 }
 
 }  // namespace nvfp4

@@ -10,6 +10,7 @@
 // 0 when num_splits == 1).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -72,44 +73,33 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   const auto table_dims = block_tables.dimensions();
   const auto len_dims = seq_lens.dimensions();
   if (q_dims.size() != 4) return DecodeArgumentError("q must have rank 4 [L, B, Hq, D]");
-  if (cache_dims.size() != 6) return DecodeArgumentError("kv_cache must have rank 6");
   if (table_dims.size() != 3 || len_dims.size() != 2)
     return DecodeArgumentError("block_tables must have rank 3 and seq_lens rank 2");
-  if (!ReadQType(q.element_type(), &p->q_type))
-    return DecodeArgumentError("q must be bfloat16, float16 or float32");
-  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
-    return DecodeArgumentError("out must have q's dtype and shape");
-
+  const std::string operand_error =
+      ReadAttentionOperands(q, kv_cache, out, {&k_scale, &v_scale, &sm_scale}, layout,
+                            v_scale_swizzle, &p->q_type, &p->page);
+  if (!operand_error.empty()) return DecodeArgumentError(operand_error);
   const int64_t stacked = q_dims[0], batch = q_dims[1], num_q_heads = q_dims[2];
   const int64_t head_size = q_dims[3];
-  if (head_size != 64 && head_size != 128 && head_size != 256)
-    return DecodeArgumentError("the kernel supports head sizes 64, 128 and 256");
-  // The cache: [L, num_blocks, then the page axes].
-  const std::string page_error =
-      ReadPageGeometry(cache_dims, 2, layout, head_size, v_scale_swizzle, &p->page);
-  if (!page_error.empty()) return DecodeArgumentError(page_error);
-  const int64_t num_kv_heads = p->page.num_kv_heads, block_size = p->page.block_size;
-  if (num_q_heads % num_kv_heads != 0)
-    return DecodeArgumentError("num_q_heads must be a multiple of num_kv_heads");
-  if (cache_dims[0] != stacked) return DecodeArgumentError("kv_cache shape does not match q");
+  const int64_t block_size = p->page.block_size;
   if ((table_dims[0] != 1 && table_dims[0] != stacked) || table_dims[1] != batch ||
       (len_dims[0] != 1 && len_dims[0] != stacked) || len_dims[1] != batch)
     return DecodeArgumentError("block_tables/seq_lens shapes do not match q");
-  for (const auto* scale : {&k_scale, &v_scale, &sm_scale}) {
-    const int64_t n = int64_t(scale->element_count());
-    if (n != 1 && n != stacked) return DecodeArgumentError("scales must hold 1 or L values");
-  }
+  const int64_t capacity = table_dims[2] * block_size;
   if (num_splits < 1 || num_splits > 65535 || tokens_per_split <= 0 ||
-      int64_t(num_splits) * tokens_per_split < table_dims[2] * block_size)
-    return DecodeArgumentError("num_splits x tokens_per_split must cover the block table");
+      int64_t(num_splits) * tokens_per_split < capacity ||
+      int64_t(num_splits - 1) * tokens_per_split >= std::max<int64_t>(capacity, 1))
+    return DecodeArgumentError(
+        "num_splits x tokens_per_split must cover the block table, every split starting inside "
+        "it");
   const int64_t partial = num_splits > 1 ? num_splits : 0;
   if (lse->element_count() != size_t(stacked * batch * num_q_heads) ||
       partial_out->element_count() != size_t(stacked * batch * num_q_heads * partial * head_size) ||
       partial_lse->element_count() != size_t(stacked * batch * num_q_heads * partial))
     return DecodeArgumentError("result shapes do not match q and num_splits");
   constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
-  if (stacked * batch * num_q_heads > kLimit || cache_dims[1] > kLimit ||
-      table_dims[2] * block_size > kLimit)
+  if (stacked * batch * num_q_heads > kLimit || cache_dims[1] > kLimit || capacity > kLimit ||
+      2 * p->page.side_bytes() > kLimit)
     return DecodeArgumentError("sizes beyond 2^31");
 
   p->q = q.untyped_data();

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <string>
 
 #include "nvfp4_numerics.h"
@@ -54,6 +55,38 @@ std::string ReadPageGeometry(const Dims& cache_dims, size_t first, int32_t layou
   if (cache_dims[first] != 2 ||
       cache_dims[first + 3] != page->data_bytes_per_head_token() + page->scales_per_head_token())
     return "kv_cache shape does not match the head size";
+  return "";
+}
+
+// The operands the attention readers (decode, ragged) share, after the caller checked q's rank
+// 4 [L, rows, Hq, D]: q's dtype, out of q's dtype and size, a head size the kernels are built
+// for, the cache [L, num_blocks, 2, ...] of that head size (its page geometry into *page) with
+// num_q_heads a multiple of its kv heads, and scales of 1 or L values. Returns what is wrong, or
+// an empty string.
+inline std::string ReadAttentionOperands(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+                                         ffi::Result<ffi::AnyBuffer>& out,
+                                         std::initializer_list<const ffi::Buffer<ffi::F32>*> scales,
+                                         int32_t layout, bool v_scale_swizzle, QType* q_type,
+                                         PageGeometry* page) {
+  const auto q_dims = q.dimensions();
+  const auto cache_dims = kv_cache.dimensions();
+  if (cache_dims.size() != 6) return "kv_cache must have rank 6";
+  if (!ReadQType(q.element_type(), q_type)) return "q must be bfloat16, float16 or float32";
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
+    return "out must have q's dtype and shape";
+  const int64_t stacked = q_dims[0], num_q_heads = q_dims[2], head_size = q_dims[3];
+  if (head_size != 64 && head_size != 128 && head_size != 256)
+    return "the kernel supports head sizes 64, 128 and 256";
+  const std::string page_error =
+      ReadPageGeometry(cache_dims, 2, layout, head_size, v_scale_swizzle, page);
+  if (!page_error.empty()) return page_error;
+  if (num_q_heads % page->num_kv_heads != 0)
+    return "num_q_heads must be a multiple of num_kv_heads";
+  if (cache_dims[0] != stacked) return "kv_cache shape does not match q";
+  for (const auto* scale : scales) {
+    const int64_t n = int64_t(scale->element_count());
+    if (n != 1 && n != stacked) return "scales must hold 1 or L values";
+  }
   return "";
 }
 

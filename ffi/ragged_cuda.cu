@@ -1,6 +1,6 @@
 // Ragged paged attention over the NVFP4 cache on the GPU (jax_nvfp4.ragged_paged_attention):
 // several query tokens per sequence (chunked prefill, prefix reuse, speculative decoding, mixed
-// batches), causal, sm_89+.
+// batches), causal; built for sm_90a (wgmma) and Blackwell (mma.sync).
 //
 // Work: one CTA (4 warps) per (query tile, kv head, stacked member, split). A query tile is up
 // to kRows = 64 query rows of one sequence, a row being one (query token, query head of this kv
@@ -8,8 +8,9 @@
 // an upper bound of slots (ceil(T * group / 64) + min(S, T)) times the kv heads, the kv head
 // varying fastest; each CTA finds its sequence and tile from cu_q_lens with a warp scan (the
 // sequence layout is a device value: no host plan), and slots past the last tile exit. A
-// further ceil(T / 64) slots write zeros for the tokens no sequence owns. The rules (which tokens a sequence owns, which positions a query sees) are
-// jax_nvfp4.reference.ragged_token_plan's.
+// further ceil(T / 64) slots write zeros for the tokens no sequence owns. The rules (which
+// tokens a sequence owns, which positions a query sees) are those of
+// jax_nvfp4.reference.ragged_token_plan.
 //
 // Per step the CTA converts kKv positions of K and V (the pages of this kv head) from FP4 codes
 // to fp16 in shared memory, once for every query row of the tile, exactly (attention_device.cuh;
@@ -20,19 +21,21 @@
 // a float32 online softmax per row:
 //   S = Q K^T   query rows in M, positions in N, head dims in K,
 //   O += P V    query rows in M, head dims in N, positions in K (P from the S accumulators).
-// A tile of 64 rows (prefill chunks) multiplies on wgmma (sm_90a; head sizes 64 and 128): the
-// CTA's 4 warps are one warpgroup, q and P in registers, K and V read from shared memory
-// through descriptors. Other tiles, head size 256 and other GPUs use mma.sync m16n8k16 (fp16 in,
-// float32 accumulate; fragments by ldmatrix): a tile of more than 32 rows gives each warp 16
-// rows and all of a step's positions; a tile of 16 or 32 rows (speculative decoding, decode
-// tokens of a mixed batch) gives each warp a quarter or half of the positions instead (each page
-// is still read once for all of the tile's rows), and the warps' partial results are merged
-// through shared memory at the end. Long contexts with few tiles split across CTAs (split-KV)
-// and a second kernel merges the splits.
+// A tile of more than 32 rows (prefill chunks) multiplies on wgmma (sm_90a; head sizes 64 and
+// 128): the CTA's 4 warps are one warpgroup, q and P in registers, K and V read from shared
+// memory through descriptors. Other tiles, head size 256 and other GPUs use mma.sync m16n8k16
+// (fp16 in, float32 accumulate; fragments by ldmatrix): a tile of more than 32 rows gives each
+// warp 16 rows and all of a step's positions; a tile of 16 or 32 rows (speculative decoding,
+// decode tokens of a mixed batch) gives each warp a quarter or half of the positions instead
+// (each page is still read once for all of the tile's rows), and the warps' partial results are
+// merged through shared memory at the end. Long contexts with few tiles split across CTAs
+// (split-KV) and a second kernel merges the splits.
 //
 // Only the pages a tile needs are read (positions < the end of its last row), page ids are
 // clamped into the cache, positions a row may not see are masked (-inf scores), positions past
-// what the tile reads are zeros, not loads.
+// what the tile reads are zeros, not loads. A NaN score makes its row NaN (as on the jnp path);
+// a NaN in the V of a position that a row may not see but a later row of the tile may (a NaN
+// stored among the sequence's own tokens) also reaches that row, through 0 x NaN in P V.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,6 +47,7 @@
 #include "cuda_common.cuh"
 #include "handlers.h"
 #include "ragged_ffi.h"
+#include "wgmma.cuh"
 
 namespace nvfp4 {
 namespace {
@@ -63,13 +67,6 @@ constexpr uint32_t kFullMask = 0xFFFFFFFFu;
 #ifndef NVFP4_RAGGED_MIN_CTAS
 #define NVFP4_RAGGED_MIN_CTAS 2
 #endif
-// wgmma exists in device code compiled for sm_90a (CMakeLists.txt builds 90a).
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-constexpr bool kHasWgmma = true;
-#else
-constexpr bool kHasWgmma = false;
-#endif
-
 
 template <int kHead>
 struct RaggedShape {
@@ -130,15 +127,11 @@ struct RaggedShape {
 // position p (RaggedShape: 64-dim blocks of 128-byte rows, 128-byte swizzle).
 template <int kHead>
 __device__ __forceinline__ int kv_chunk(int p, int c) {
-  return (c >> 3) * RaggedShape<kHead>::kBlockBytes + p * 128 + (((c & 7) ^ (p & 7)) << 4);
+  return (c >> 3) * RaggedShape<kHead>::kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
 }
 
 // ------------------------------------------------------------------------------------------
 // Shared-memory fragment loads.
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return uint32_t(__cvta_generic_to_shared(p));
-}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -150,71 +143,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(shared_address(p)));
-}
-
-// wgmma (sm_90a): one warpgroup (the CTA's 4 warps) multiplies a 64-row A held in registers
-// (the mma.sync A-fragment layout, warp w holding rows 16 w .. 16 w + 15) by a B in shared
-// memory read through a descriptor; the accumulators have the mma.sync C layout, 8 columns per
-// group of 4 registers.
-// A shared-memory matrix descriptor, 128-byte swizzle: start address, the byte offset between
-// 64-element blocks along the leading dimension (MN-major B) and between 8-row groups.
-__device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leading_bytes,
-                                                  uint32_t stride_bytes) {
-  const uint32_t a = shared_address(p);
-  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) |
-         (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit_and_wait() {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;\n" :::
-                   "memory");
-#endif
-}
-
-// d[64 x 64] += a[64 x 16] b[16 x 64]; kTransB: b is MN-major (else K-major).
-template <int kTransB>
-__device__ __forceinline__ void wgmma_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, 1, 1, 1, %37;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB));
-#endif
-}
-
-// d[64 x 128] += a[64 x 16] b[16 x 128], b MN-major.
-__device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4],
-                                                     uint64_t b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
-      "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,"
-      "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-        "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-        "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-        "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-        "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-        "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-#endif
 }
 
 // Asynchronous global -> shared copies (cp.async), zero-filled without reading when !valid.
@@ -525,8 +453,10 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
   const auto row_limit = [&](int32_t j) {  // positions query j attends to
     return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
   };
-  const int32_t begin = split * p.tokens_per_split;
-  const int32_t split_end = int32_t(min(int64_t(begin) + p.tokens_per_split, int64_t(capacity)));
+  // (int64: the FFI checks that every split starts inside the table, so begin fits int32)
+  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
+  const int32_t split_end =
+      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
   const int32_t last_end = min(row_limit(grid.group.div(uint32_t(row0 + rows_here - 1))), split_end);
   const auto q_row_of = [&](int r) {  // the row's index among the member's [T, Hq] rows
     uint32_t head;
@@ -700,13 +630,16 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
       for (int c = 0; c < 4; ++c) s[t][c] = 0.f;
     if (wgmma_tile) {
       if constexpr (R::kWgmma) {
+        float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+        wgmma_fence_operands(acc);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < R::kKSteps; ++k)  // K-major B: dims 16 k .. 16 k + 15 of each row
-          wgmma_64x64<0>(reinterpret_cast<float(&)[32]>(s), qf[k],
+          wgmma_64x64<0>(acc, qf[k],
                          swizzled_desc(k_tile + (k / 4) * R::kBlockBytes + (k % 4) * 32, 16,
                                        1024));
         wgmma_commit_and_wait();
+        wgmma_fence_operands(acc);
       }
     } else {
 #pragma unroll
@@ -783,16 +716,19 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
           a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
           a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
         }
+        float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+        wgmma_fence_operands(acc);
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < R::kPSteps; ++k) {  // MN-major B: positions 16 k .. 16 k + 15
           const uint64_t b = swizzled_desc(v_tile + 16 * k * 128, R::kBlockBytes, 1024);
           if constexpr (kHead == 128)
-            wgmma_64x128_trans_b(reinterpret_cast<float(&)[64]>(o), a[k], b);
+            wgmma_64x128_trans_b(acc, a[k], b);
           else
-            wgmma_64x64<1>(reinterpret_cast<float(&)[32]>(o), a[k], b);
+            wgmma_64x64<1>(acc, a[k], b);
         }
         wgmma_commit_and_wait();
+        wgmma_fence_operands(acc);
       }
     } else {
 #pragma unroll
@@ -846,21 +782,26 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
   for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads) {
     const int r = i / kHead, d = i % kHead;
     const int tile_warp = r / 16, rr = r % 16;
+    // A NaN score leaves the running max (fmaxf passes it over) but makes the sum NaN: such a
+    // row's result is NaN, as on the jnp path, never an empty row's zeros.
     float top = -INFINITY;
-    for (int k = 0; k < parts; ++k) top = fmaxf(top, m_smem[(tile_warp + k * row_warps) * 16 + rr]);
-    float sum = 0.f, acc = 0.f;
-    if (top != -INFINITY) {
-      for (int k = 0; k < parts; ++k) {
-        const int w = tile_warp + k * row_warps;
-        const float weight = exp2_approx(m_smem[w * 16 + rr] - top);
-        sum += weight * l_smem[w * 16 + rr];
-        acc += weight * o_smem[(w * 16 + rr) * kHead + d];
-      }
+    bool nan = false;
+    for (int k = 0; k < parts; ++k) {
+      const int w = tile_warp + k * row_warps;
+      top = fmaxf(top, m_smem[w * 16 + rr]);
+      nan |= isnan(l_smem[w * 16 + rr]);
     }
     const int64_t row = member_rows + row_q[r];
-    if (!(sum > 0.f)) {
+    if (top == -INFINITY && !nan) {  // nothing attended to in this split
       write_empty(p, row, split, d, kHead);
       continue;
+    }
+    float sum = 0.f, acc = 0.f;
+    for (int k = 0; k < parts; ++k) {
+      const int w = tile_warp + k * row_warps;
+      const float weight = exp2_approx(m_smem[w * 16 + rr] - (top == -INFINITY ? 0.f : top));
+      sum += weight * l_smem[w * 16 + rr];
+      acc += weight * o_smem[(w * 16 + rr) * kHead + d];
     }
     const float value = acc / sum, lse2 = top + __log2f(sum);
     if (p.num_splits == 1) {
@@ -923,15 +864,6 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
   return cudaGetLastError();
 }
 
-template <int kHead>
-cudaError_t LaunchForOptions(cudaStream_t stream, const RaggedProblem& p) {
-  const bool hnd = p.page.layout == Layout::kHND;
-  if (p.page.v_scale_swizzle)
-    return hnd ? Launch<kHead, true, Layout::kHND>(stream, p)
-               : Launch<kHead, true, Layout::kNHD>(stream, p);
-  return hnd ? Launch<kHead, false, Layout::kHND>(stream, p)
-             : Launch<kHead, false, Layout::kNHD>(stream, p);
-}
 
 ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -953,12 +885,15 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
     return RaggedArgumentError("kv_cache has no pages but block_tables has columns");
   if ((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads >= (int64_t(1) << 31))
     return RaggedArgumentError("more than 2^31 CTAs");
-  cudaError_t launched;
-  switch (p.page.head_size) {
-    case 64: launched = LaunchForOptions<64>(stream, p); break;
-    case 128: launched = LaunchForOptions<128>(stream, p); break;
-    default: launched = LaunchForOptions<256>(stream, p); break;
-  }
+  const cudaError_t launched = WithHeadSize(
+      p.page.head_size,
+      [&](auto head) {
+        return WithPageOptions(p.page, [&](auto swizzle, auto layout) {
+          return Launch<decltype(head)::value, decltype(swizzle)::value, decltype(layout)::value>(
+              stream, p);
+        });
+      },
+      cudaErrorInvalidValue);
   if (launched != cudaSuccess)
     return CudaError("ragged_paged_attention", "kernel launch", launched);
   return ffi::Error::Success();
@@ -984,12 +919,8 @@ int ResidentCtas() {
 }  // namespace
 
 int RaggedResidentCtasPerSm(int head_size) {
-  switch (head_size) {
-    case 64: return ResidentCtas<64>();
-    case 128: return ResidentCtas<128>();
-    case 256: return ResidentCtas<256>();
-    default: return 0;
-  }
+  return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },
+                      0);
 }
 
 }  // namespace nvfp4

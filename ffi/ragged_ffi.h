@@ -11,6 +11,7 @@
 // (P = num_splits, or 0 when num_splits == 1).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -78,41 +79,31 @@ inline ffi::Error MakeRaggedProblem(
   const auto len_dims = seq_lens.dimensions();
   const auto cu_dims = cu_q_lens.dimensions();
   if (q_dims.size() != 4) return RaggedArgumentError("q must have rank 4 [L, T, Hq, D]");
-  if (cache_dims.size() != 6) return RaggedArgumentError("kv_cache must have rank 6");
   if (table_dims.size() != 3 || len_dims.size() != 2 || cu_dims.size() != 2 ||
       num_seqs.dimensions().size() != 1)
     return RaggedArgumentError(
         "block_tables must have rank 3, seq_lens and cu_q_lens rank 2, num_seqs rank 1");
-  if (!ReadQType(q.element_type(), &p->q_type))
-    return RaggedArgumentError("q must be bfloat16, float16 or float32");
-  if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
-    return RaggedArgumentError("out must have q's dtype and shape");
-
+  const std::string operand_error =
+      ReadAttentionOperands(q, kv_cache, out, {&k_scale, &v_scale, &sm_scale}, layout,
+                            v_scale_swizzle, &p->q_type, &p->page);
+  if (!operand_error.empty()) return RaggedArgumentError(operand_error);
   const int64_t stacked = q_dims[0], num_tokens = q_dims[1], num_q_heads = q_dims[2];
   const int64_t head_size = q_dims[3];
-  if (head_size != 64 && head_size != 128 && head_size != 256)
-    return RaggedArgumentError("the kernel supports head sizes 64, 128 and 256");
-  const std::string page_error =
-      ReadPageGeometry(cache_dims, 2, layout, head_size, v_scale_swizzle, &p->page);
-  if (!page_error.empty()) return RaggedArgumentError(page_error);
-  if (num_q_heads % p->page.num_kv_heads != 0)
-    return RaggedArgumentError("num_q_heads must be a multiple of num_kv_heads");
-  if (cache_dims[0] != stacked) return RaggedArgumentError("kv_cache shape does not match q");
   const int64_t max_num_seqs = table_dims[1];
   const auto leading_ok = [stacked](int64_t n) { return n == 1 || n == stacked; };
   if (!leading_ok(table_dims[0]) || !leading_ok(len_dims[0]) || len_dims[1] != max_num_seqs ||
       !leading_ok(cu_dims[0]) || cu_dims[1] != max_num_seqs + 1 ||
       !leading_ok(int64_t(num_seqs.element_count())))
     return RaggedArgumentError("block_tables/seq_lens/cu_q_lens/num_seqs shapes do not match");
-  for (const auto* scale : {&k_scale, &v_scale, &sm_scale}) {
-    if (!leading_ok(int64_t(scale->element_count())))
-      return RaggedArgumentError("scales must hold 1 or L values");
-  }
-  if (num_splits < 1 || num_splits > 65535 / stacked || tokens_per_split <= 0 ||
-      tokens_per_split % 64 != 0 ||
-      int64_t(num_splits) * tokens_per_split < table_dims[2] * p->page.block_size)
+  const int64_t capacity = table_dims[2] * p->page.block_size;
+  if (num_splits < 1 || tokens_per_split <= 0 || tokens_per_split % 64 != 0 ||
+      int64_t(num_splits) * tokens_per_split < capacity ||
+      int64_t(num_splits - 1) * tokens_per_split >= std::max<int64_t>(capacity, 1))
     return RaggedArgumentError(
-        "num_splits x tokens_per_split (a multiple of 64) must cover the block table");
+        "num_splits x tokens_per_split (a multiple of 64) must cover the block table, every "
+        "split starting inside it");
+  if (int64_t(num_splits) * stacked > 65535)
+    return RaggedArgumentError("stacked members x num_splits must be at most 65535");
   const int64_t partial = num_splits > 1 ? num_splits : 0;
   const int64_t rows = stacked * num_tokens * num_q_heads;
   if (lse->element_count() != size_t(rows) ||
@@ -121,8 +112,8 @@ inline ffi::Error MakeRaggedProblem(
     return RaggedArgumentError("result shapes do not match q and num_splits");
   constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
   if (rows * head_size > kLimit || rows * partial * head_size > kLimit ||
-      cache_dims[1] > kLimit || table_dims[2] * p->page.block_size > kLimit ||
-      max_num_seqs + 1 > kLimit)
+      cache_dims[1] > kLimit || capacity > kLimit || max_num_seqs + 1 > kLimit ||
+      2 * p->page.side_bytes() > kLimit)
     return RaggedArgumentError("sizes beyond 2^31");
 
   p->q = q.untyped_data();

@@ -140,6 +140,20 @@ def check_reads(block_tables, seq_lens, num_blocks, block_size, scales, where):
         checks.check_scale_values(scales, where)
 
 
+def _check_scales_and_pages(k_scale, v_scale, sm_scale, head_size, geo, block_tables):
+    """The NVFP4 readers' scales (float32 scalars; sm_scale a number or a scalar array,
+    ``1/sqrt(head_size)`` for None) and a cache with pages wherever ``block_tables`` has
+    columns. Returns ``(k_scale, v_scale, sm_scale)``."""
+    k_scale = _scale(k_scale, "k_scale")
+    v_scale = _scale(v_scale, "v_scale")
+    sm_scale = _sm_scale(sm_scale, head_size)
+    max_blocks = block_tables.shape[1]
+    if geo.num_blocks == 0 and max_blocks:
+        raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
+                         f"{max_blocks} column(s)")
+    return k_scale, v_scale, sm_scale
+
+
 def _nan_if_invalid(result, k_scale, v_scale):
     """The readers' contract for an invalid global scale: every output (and lse) is NaN, on
     every implementation."""
@@ -241,13 +255,8 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     batch, num_q_heads, head_size = _check_q(q)
     kv_cache, geo = _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle)
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, batch)
-    k_scale = _scale(k_scale, "k_scale")
-    v_scale = _scale(v_scale, "v_scale")
-    sm_scale = _sm_scale(sm_scale, head_size)
-    max_blocks = block_tables.shape[1]
-    if geo.num_blocks == 0 and max_blocks:
-        raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
-                         f"{max_blocks} column(s)")
+    k_scale, v_scale, sm_scale = _check_scales_and_pages(k_scale, v_scale, sm_scale, head_size,
+                                                         geo, block_tables)
     if checked:
         block_tables = checks.require_checkify(block_tables, "paged_attention")
         check_reads(block_tables, seq_lens, geo.num_blocks, geo.block_size,
@@ -362,14 +371,17 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     nothing to attend to; page ids, lengths and scales follow :func:`paged_attention`'s rules
     (ids inside the pages a sequence reads are clamped into the cache, lengths beyond
     ``max_blocks_per_seq * block_size`` attend to the whole table, an invalid scale makes every
-    output NaN).
+    output NaN). A NaN among the keys a query sees, or in the query, makes that query's row NaN
+    (on every path); on the kernel a NaN stored in the V of one of the sequence's own tokens can
+    also reach the earlier query rows of the same tile (their weight for it is 0, and 0 x NaN is
+    NaN), where the jnp path keeps them finite.
 
     On a GPU (``impl="auto"``) this is one CUDA kernel for head sizes 64, 128 and 256 (plus a
     merge when long contexts are split across CTAs): a CTA takes up to 64 query rows (the
     query tokens x query heads of one kv head) of one sequence and reads each page it needs
     once for all of them, turning the FP4 codes into fp16 in shared memory (exact) for the
-    tensor cores (float32 accumulation, float32 online softmax, q and P rounded to fp16 as in
-    the decode kernel). Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
+    tensor cores (wgmma on sm_90a for tiles of more than 32 rows, mma.sync otherwise; float32
+    accumulation, float32 online softmax, q and P rounded to fp16 as in the decode kernel). Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
     runs (:func:`jax_nvfp4.reference.ragged_paged_attention`: every query token is decode
     attention over its own sequence's pages, so its memory is that of a decode batch of
     ``num_tokens`` sequences).
@@ -413,13 +425,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     block_tables, seq_lens = _check_tables(block_tables, seq_lens, max_num_seqs,
                                            "max_num_seqs, block_tables' rows")
     cu_q_lens, num_seqs = _check_ragged_layout(cu_q_lens, num_seqs, max_num_seqs)
-    k_scale = _scale(k_scale, "k_scale")
-    v_scale = _scale(v_scale, "v_scale")
-    sm_scale = _sm_scale(sm_scale, head_size)
-    max_blocks = block_tables.shape[1]
-    if geo.num_blocks == 0 and max_blocks:
-        raise ValueError("kv_cache has no pages (num_blocks == 0) but block_tables has "
-                         f"{max_blocks} column(s)")
+    k_scale, v_scale, sm_scale = _check_scales_and_pages(k_scale, v_scale, sm_scale, head_size,
+                                                         geo, block_tables)
     if checked:
         block_tables = checks.require_checkify(block_tables, "ragged_paged_attention")
         check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens,

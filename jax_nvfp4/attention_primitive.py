@@ -95,16 +95,11 @@ def bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, lay
 # The jnp path on the canonical form (CPU, and GPU shapes the kernel does not cover).
 
 
-def _jnp_canonical(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, layout,
-                   v_scale_swizzle):
-    stacked = q.shape[0]
-
-    def one(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale):
-        return _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale,
-                                          layout=layout, v_scale_swizzle=v_scale_swizzle,
-                                          sm_scale=sm_scale, return_lse=True)
-
-    args = (q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale)
+def stacked_jnp(one, args):
+    """``one`` (the jnp path of one member: operands without the stacked axis -> ``(out,
+    lse)``) over a canonical form's stacked axis ``L``: operands with ``L`` leading rows are
+    mapped, those with one row are shared. Both attention primitives' jnp paths."""
+    stacked = args[0].shape[0]
     if stacked == 1:
         out, lse = one(*(a[0] for a in args))
         return out[None], lse[None]
@@ -113,14 +108,47 @@ def _jnp_canonical(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_sca
     return jax.vmap(one, in_axes=in_axes)(*args)
 
 
-def _jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
-    if impl == "kernel":
-        raise ValueError(
-            "paged_attention(impl='kernel') needs the CUDA kernel on a GPU; this computation "
-            "runs on a platform without it. Use impl='auto' (the kernel where it exists, the "
-            "jnp path elsewhere) or impl='jnp'.")
-    fun = functools.partial(_jnp_canonical, layout=layout, v_scale_swizzle=v_scale_swizzle)
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+def _jnp_canonical(*args, layout, v_scale_swizzle):
+    def one(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale):
+        return _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale,
+                                          layout=layout, v_scale_swizzle=v_scale_swizzle,
+                                          sm_scale=sm_scale, return_lse=True)
+
+    return stacked_jnp(one, args)
+
+
+def lowerings(op_name, canonical_jnp, kernel_call, partition):
+    """The two lowering rules of an attention primitive whose operands start with q (head size
+    last) and whose parameters are ``layout, v_scale_swizzle, impl``: the jnp path
+    (``canonical_jnp(*operands, layout=, v_scale_swizzle=)``), and on CUDA the kernel
+    (``partition(kernel_call)(*operands, layout, v_scale_swizzle)``) for the head sizes it covers,
+    the jnp path for the others. ``impl="kernel"`` makes a missing kernel an error naming
+    ``op_name``. Returns ``(jnp_lowering, cuda_lowering)``."""
+
+    def jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+        if impl == "kernel":
+            raise ValueError(
+                f"{op_name}(impl='kernel') needs the CUDA kernel on a GPU; this computation "
+                "runs on a platform without it. Use impl='auto' (the kernel where it exists, the "
+                "jnp path elsewhere) or impl='jnp'.")
+        fun = functools.partial(canonical_jnp, layout=layout, v_scale_swizzle=v_scale_swizzle)
+        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+    def cuda_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+        head_size = ctx.avals_in[0].shape[-1]
+        if not kernel_supports(head_size):
+            if impl == "kernel":
+                raise ValueError(
+                    f"{op_name}(impl='kernel'): the CUDA kernel covers head sizes "
+                    f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
+                                              " and jax_nvfp4 was built without it")
+                    + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
+            return jnp_lowering(ctx, *args, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                                impl="auto")
+        fun = lambda *a: partition(kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
+        return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+
+    return jnp_lowering, cuda_lowering
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,6 +215,17 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     return best[1], best[2]
 
 
+def split_kv_results(q, splits):
+    """The results of an attention kernel's FFI call for q ``[L, rows, Hq, D]``: out, lse, and
+    the split-KV workspace (partial outputs and log2 lse, float32; no rows with one split,
+    which writes the output directly)."""
+    partial = splits if splits > 1 else 0
+    rows = q.shape[:3]
+    return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(rows, jnp.float32),
+            jax.ShapeDtypeStruct(rows + (partial, q.shape[3]), jnp.float32),
+            jax.ShapeDtypeStruct(rows + (partial,), jnp.float32))
+
+
 def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
                  v_scale_swizzle):
     """The FFI call on whatever (per-device) shapes it gets."""
@@ -195,12 +234,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     max_tokens = block_tables.shape[2] * geo.block_size
     splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
                                            max_tokens, _sm_count(), _resident_ctas(head_size))
-    partial = splits if splits > 1 else 0  # one split writes the output directly
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
-               jax.ShapeDtypeStruct(q.shape[:3] + (partial, head_size), jnp.float32),
-               jax.ShapeDtypeStruct(q.shape[:3] + (partial,), jnp.float32))
-    call = jax.ffi.ffi_call(DECODE_TARGET, results)
+    call = jax.ffi.ffi_call(DECODE_TARGET, split_kv_results(q, splits))
     out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                           layout=np.int32(_layout.LAYOUTS.index(layout)),
                           v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
@@ -208,19 +242,8 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     return out, lse
 
 
-def _cuda_lowering(ctx, q, kv_cache, *args, layout, v_scale_swizzle, impl):
-    head_size = ctx.avals_in[0].shape[-1]
-    if not kernel_supports(head_size):
-        if impl == "kernel":
-            raise ValueError(
-                f"paged_attention(impl='kernel'): the CUDA kernel covers head sizes "
-                f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
-                                          " and jax_nvfp4 was built without it")
-                + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
-        return _jnp_lowering(ctx, q, kv_cache, *args, layout=layout,
-                             v_scale_swizzle=v_scale_swizzle, impl="auto")
-    fun = lambda *a: partitioned(_kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, q, kv_cache, *args)
+_jnp_lowering, _cuda_lowering = lowerings("paged_attention", _jnp_canonical, _kernel_call,
+                                          lambda body: partitioned(body))
 
 
 mlir.register_lowering(decode_p, _jnp_lowering)
@@ -245,6 +268,40 @@ ad.primitive_jvps[decode_p] = _jvp
 _NOT_MAPPED = None  # what vmap passes as the batch dimension of an unbatched argument
 
 
+def members_first(x, d, size):
+    """``x`` with vmap's member axis ``d`` first: ``[V, ...]`` (broadcast when shared)."""
+    if d is _NOT_MAPPED:
+        return jnp.broadcast_to(x, (size,) + x.shape)
+    return jnp.moveaxis(x, d, 0)
+
+
+def empty_batch(q, dims):
+    """The batching rules' answer for a vmap over zero members: empty results, no launch."""
+    member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
+    return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
+            (0, 0))
+
+
+def bind_members_stacked(primitive, args, dims, size, stacked, **params):
+    """An attention primitive over vmap's ``size`` members, which join the canonical form's
+    stacked axis: ``[V, L, ...] -> [V*L, ...]`` for q and the cache (broadcast where shared),
+    and for every other operand unless one row serves every member and layer. One launch.
+    Returns the batching rule's ``((out, lse), (0, 0))``."""
+
+    def join(x, d, shareable):
+        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
+            return x                                        # shared by every member and layer
+        x = members_first(x, d, size)
+        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
+            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
+        return x.reshape((size * stacked,) + x.shape[2:])
+
+    joined = [join(x, d, shareable=i >= 2) for i, (x, d) in enumerate(zip(args, dims))]
+    out, lse = primitive.bind(*joined, **params)
+    return (out.reshape((size, stacked) + out.shape[1:]),
+            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+
+
 def _batch(args, dims, *, layout, v_scale_swizzle, impl):
     """vmap over layers or head groups: the members join the stacked axis (one launch).
 
@@ -258,49 +315,28 @@ def _batch(args, dims, *, layout, v_scale_swizzle, impl):
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
     # L of the unbatched canonical form: q's first axis other than the member axis.
     stacked = q.shape[1 if dims[0] == 0 else 0]
-    if size == 0:  # an empty batch: empty results, no launch
-        member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
-        return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
-                (0, 0))
-
-    def front(x, d):
-        """[V, ...] with the member axis first (broadcast if x is shared)."""
-        if d is _NOT_MAPPED:
-            return jnp.broadcast_to(x, (size,) + x.shape)
-        return jnp.moveaxis(x, d, 0)
+    if size == 0:
+        return empty_batch(q, dims)
+    params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
 
     scales_batched = any(d is not _NOT_MAPPED for d in dims[4:])
     if dims[1] is _NOT_MAPPED and not scales_batched:
         # Fold the members into the batch axis: [V, L, B, ...] -> [L, V*B, ...].
         def into_batch(x, d):
-            x = jnp.moveaxis(front(x, d), 0, 1)   # [L (or 1: shared by the layers), V, B, ...]
+            x = jnp.moveaxis(members_first(x, d, size), 0, 1)  # [L (or 1), V, B, ...]
             return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
 
         batch = q.shape[-3]
         q2, tables2, lens2 = (into_batch(x, d) for x, d in
                               ((q, dims[0]), (block_tables, dims[2]), (seq_lens, dims[3])))
         out, lse = decode_p.bind(q2, kv_cache, tables2, lens2, k_scale, v_scale, sm_scale,
-                                 layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+                                 **params)
         out = jnp.moveaxis(out.reshape((stacked, size, batch) + out.shape[2:]), 1, 0)
         lse = jnp.moveaxis(lse.reshape((stacked, size, batch) + lse.shape[2:]), 1, 0)
         return (out, lse), (0, 0)
 
     # Members join the stacked axis: [V, L, ...] -> [V*L, ...].
-    def into_stack(x, d, shareable):
-        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
-            return x                                        # shared by every member and layer
-        x = front(x, d)
-        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
-            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
-        return x.reshape((size * stacked,) + x.shape[2:])
-
-    q2 = into_stack(q, dims[0], shareable=False)
-    cache2 = into_stack(kv_cache, dims[1], shareable=False)
-    rest = [into_stack(x, d, shareable=True) for x, d in zip(args[2:], dims[2:])]
-    out, lse = decode_p.bind(q2, cache2, *rest, layout=layout, v_scale_swizzle=v_scale_swizzle,
-                             impl=impl)
-    return (out.reshape((size, stacked) + out.shape[1:]),
-            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+    return bind_members_stacked(decode_p, args, dims, size, stacked, **params)
 
 
 batching.primitive_batchers[decode_p] = _batch
@@ -324,18 +360,26 @@ def _factors(layout: str, shapes):
     operands = (("stack", "batch", "q_heads", "head_size"), cache_axes,
                 (lead(tables, "t_one"), "batch", "pages"), (lead(lens, "l_one"), "batch"),
                 (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
-    results = (operands[0], operands[0][:3])
+    return operands, (operands[0], operands[0][:3]), replicated_factors(operands, _SPLITTABLE)
+
+
+def replicated_factors(operands, splittable):
+    """The factors of ``operands`` (in order of first use: Shardy wants them sorted) that must
+    be replicated: all but ``splittable``."""
     used = dict.fromkeys(f for op in operands for f in op)
-    replicated = tuple(f for f in used if f not in _SPLITTABLE)
-    return operands, results, replicated
+    return tuple(f for f in used if f not in splittable)
 
 
 def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
     del v_scale_swizzle, mesh, result_types
     operands, results, replicated = _factors(layout, [tuple(t.shape) for t in operand_types])
-    text = (", ".join(" ".join(op) for op in operands) + " -> "
+    return rule_text(operands, results), {"need_replication_factors": replicated}
+
+
+def rule_text(operands, results) -> str:
+    """A Shardy sharding rule's text from the factor names of every operand and result."""
+    return (", ".join(" ".join(op) for op in operands) + " -> "
             + ", ".join(" ".join(r) for r in results))
-    return text, {"need_replication_factors": replicated}
 
 
 def _plan(layout, shapes, q_sharding, cache_sharding):
@@ -394,4 +438,6 @@ def partitioned(body):
 
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
-           "plan_splits", "plan_splits_for_units"]
+           "bind_members_stacked", "empty_batch", "lowerings", "members_first", "plan_splits",
+           "plan_splits_for_units", "replicated_factors", "rule_text", "split_kv_results",
+           "stacked_jnp"]

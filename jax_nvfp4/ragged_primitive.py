@@ -53,6 +53,8 @@ KV_TILE = 64
 _DEFAULT_CTAS_PER_SM = 2
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
+#: Most stacked members x splits: the kernel's grid puts them on its z axis.
+MAX_GRID_Z = 65535
 
 if _ffi.built_with_cuda():
     jax.ffi.register_ffi_target(RAGGED_TARGET, _ffi.ragged_registrations()["CUDA"],
@@ -96,43 +98,21 @@ def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_sc
 # The jnp path on the canonical form.
 
 
-def _jnp_canonical(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
-                   sm_scale, *, layout, v_scale_swizzle):
-    stacked = q.shape[0]
-
+def _jnp_canonical(*args, layout, v_scale_swizzle):
     def one(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
             sm_scale):
         return _reference.ragged_paged_attention(
             q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
             layout=layout, v_scale_swizzle=v_scale_swizzle, sm_scale=sm_scale, return_lse=True)
 
-    args = (q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
-            sm_scale)
-    if stacked == 1:
-        out, lse = one(*(a[0] for a in args))
-        return out[None], lse[None]
-    in_axes = tuple(0 if a.shape[0] == stacked else None for a in args)
-    args = tuple(a if axis == 0 else a[0] for a, axis in zip(args, in_axes))
-    return jax.vmap(one, in_axes=in_axes)(*args)
-
-
-def _jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
-    if impl == "kernel":
-        raise ValueError(
-            "ragged_paged_attention(impl='kernel') needs the CUDA kernel on a GPU; this "
-            "computation runs on a platform without it. Use impl='auto' (the kernel where it "
-            "exists, the jnp path elsewhere) or impl='jnp'.")
-    fun = functools.partial(_jnp_canonical, layout=layout, v_scale_swizzle=v_scale_swizzle)
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
+    return _decode.stacked_jnp(one, args)
 
 
 # ---------------------------------------------------------------------------------------------
 # The CUDA kernel.
 
-
-def kernel_supports(head_size: int) -> bool:
-    """Whether the CUDA kernel covers this geometry (every layout, block size and GQA group)."""
-    return _ffi.built_with_cuda() and head_size in KERNEL_HEAD_SIZES
+#: Whether the CUDA kernel covers a head size: the decode kernel's rule (the same head sizes).
+kernel_supports = _decode.kernel_supports
 
 
 def _resident_ctas(head_size: int) -> int:
@@ -160,7 +140,7 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     the splits. Few tiles over long contexts (speculative decoding, small batches) split;
     prefill chunks fill the GPU with tiles and do not. The partial results of the splits
     (float32 ``[L, num_tokens, num_q_heads, splits, head_size]``) are kept under
-    ``MAX_WORKSPACE_BYTES``.
+    ``MAX_WORKSPACE_BYTES``, and members x splits under ``MAX_GRID_Z``.
     """
     group = num_q_heads // num_kv_heads
     units = stacked * num_kv_heads * max(tile_slots(num_tokens, max_num_seqs, group), 1)
@@ -169,6 +149,11 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     row_bytes = stacked * num_tokens * num_q_heads * head_size * 4
     while splits > 1 and splits * row_bytes > MAX_WORKSPACE_BYTES:
         splits = max(splits // 2, 1)
+        per_split = -(-max(max_tokens, 1) // splits)
+        per_split = -(-per_split // KV_TILE) * KV_TILE
+        splits = -(-max(max_tokens, 1) // per_split)
+    while splits > 1 and stacked * splits > MAX_GRID_Z:   # the kernel's grid: members x splits
+        splits = max(min(splits - 1, MAX_GRID_Z // max(stacked, 1)), 1)
         per_split = -(-max(max_tokens, 1) // splits)
         per_split = -(-per_split // KV_TILE) * KV_TILE
         splits = -(-max(max_tokens, 1) // per_split)
@@ -186,12 +171,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size,
         max_blocks * geo.block_size, _decode._sm_count(), _resident_ctas(head_size))
-    partial = splits if splits > 1 else 0  # one split writes the output directly
-    results = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct(q.shape[:3], jnp.float32),
-               jax.ShapeDtypeStruct(q.shape[:3] + (partial, head_size), jnp.float32),
-               jax.ShapeDtypeStruct(q.shape[:3] + (partial,), jnp.float32))
-    call = jax.ffi.ffi_call(RAGGED_TARGET, results)
+    call = jax.ffi.ffi_call(RAGGED_TARGET, _decode.split_kv_results(q, splits))
     out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
                           v_scale, sm_scale, layout=np.int32(_layout.LAYOUTS.index(layout)),
                           v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
@@ -199,19 +179,8 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     return out, lse
 
 
-def _cuda_lowering(ctx, q, *args, layout, v_scale_swizzle, impl):
-    head_size = ctx.avals_in[0].shape[-1]
-    if not kernel_supports(head_size):
-        if impl == "kernel":
-            raise ValueError(
-                f"ragged_paged_attention(impl='kernel'): the CUDA kernel covers head sizes "
-                f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
-                                          " and jax_nvfp4 was built without it")
-                + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
-        return _jnp_lowering(ctx, q, *args, layout=layout, v_scale_swizzle=v_scale_swizzle,
-                             impl="auto")
-    fun = lambda *a: partitioned(_kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
-    return mlir.lower_fun(fun, multiple_results=True)(ctx, q, *args)
+_jnp_lowering, _cuda_lowering = _decode.lowerings("ragged_paged_attention", _jnp_canonical,
+                                                  _kernel_call, lambda body: partitioned(body))
 
 
 mlir.register_lowering(ragged_p, _jnp_lowering)
@@ -242,15 +211,7 @@ def _batch(args, dims, *, layout, v_scale_swizzle, impl):
     stacked = q.shape[1 if dims[0] == 0 else 0]
     params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
     if size == 0:
-        member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
-        return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
-                (0, 0))
-
-    def front(x, d):
-        if d is _NOT_MAPPED:
-            return jnp.broadcast_to(x, (size,) + x.shape)
-        return jnp.moveaxis(x, d, 0)
-
+        return _decode.empty_batch(q, dims)
     if dims[1] is _NOT_MAPPED:
         # One cache for every member: a loop over the members, the cache closed over.
         cache = args[1]
@@ -263,23 +224,10 @@ def _batch(args, dims, *, layout, v_scale_swizzle, impl):
                 call[i] = x
             return tuple(ragged_p.bind(*call, **params))
 
-        out, lse = jax.lax.map(one, [front(args[i], dims[i]) for i in mapped])
+        out, lse = jax.lax.map(one, [_decode.members_first(args[i], dims[i], size)
+                                     for i in mapped])
         return (out, lse), (0, 0)
-
-    def into_stack(x, d, shareable):
-        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
-            return x                                        # shared by every member and layer
-        x = front(x, d)
-        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
-            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
-        return x.reshape((size * stacked,) + x.shape[2:])
-
-    q2 = into_stack(q, dims[0], shareable=False)
-    cache2 = into_stack(args[1], dims[1], shareable=False)
-    rest = [into_stack(x, d, shareable=True) for x, d in zip(args[2:], dims[2:])]
-    out, lse = ragged_p.bind(q2, cache2, *rest, **params)
-    return (out.reshape((size, stacked) + out.shape[1:]),
-            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+    return _decode.bind_members_stacked(ragged_p, args, dims, size, stacked, **params)
 
 
 batching.primitive_batchers[ragged_p] = _batch
@@ -303,18 +251,14 @@ def _factors(layout: str, shapes):
                 (lead(tables, "t_one"), "seqs", "pages"), (lead(lens, "l_one"), "seqs"),
                 (lead(cu, "u_one"), "seqs_1"), (lead(num_seqs, "n_one"),),
                 (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
-    results = (operands[0], operands[0][:3])
-    used = dict.fromkeys(f for op in operands for f in op)
-    replicated = tuple(f for f in used if f not in _SPLITTABLE)
-    return operands, results, replicated
+    return (operands, (operands[0], operands[0][:3]),
+            _decode.replicated_factors(operands, _SPLITTABLE))
 
 
 def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
     del v_scale_swizzle, mesh, result_types
     operands, results, replicated = _factors(layout, [tuple(t.shape) for t in operand_types])
-    text = (", ".join(" ".join(op) for op in operands) + " -> "
-            + ", ".join(" ".join(r) for r in results))
-    return text, {"need_replication_factors": replicated}
+    return _decode.rule_text(operands, results), {"need_replication_factors": replicated}
 
 
 def _plan(layout, shapes, cache_sharding):

@@ -341,6 +341,8 @@ def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: 
       ``[0, max_num_seqs - 1]`` for tokens nobody owns, whose ``end`` is 0).
     """
     max_num_seqs = seq_lens.shape[0]
+    if max_num_seqs == 0:                         # no sequence: no token is owned
+        return (jnp.zeros(num_tokens, jnp.int32),) * 2
     cu = checks.to_int32(cu_q_lens)
     ns = jnp.clip(jnp.reshape(checks.to_int32(num_seqs), ()), 0, max_num_seqs)
     starts = jnp.clip(jax.lax.cummax(cu, axis=0), 0, num_tokens)           # [S + 1]

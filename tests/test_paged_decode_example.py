@@ -63,6 +63,22 @@ def results(example):
     return example.main(TINY + ["--teacher-force"])
 
 
+
+def assert_check_lines(lines, *, chunk, chunks, steps, prefill_bound, positions, argmax,
+                       verify_bound):
+    """The example's chunked-prefill and speculative-decoding lines (4 prompts, 4 drafts)."""
+    bound = lambda b: b.replace(".", r"\.")  # noqa: E731
+    assert re.fullmatch(
+        rf"chunked prefill: 4 prompts through the NVFP4 cache {chunk} tokens at a time "
+        rf"\({chunks} chunks each, {steps} ragged steps\): logits match the dense prefill "
+        rf"\(K/V through NVFP4\) within {bound(prefill_bound)} at all {positions} prompt "
+        rf"positions: max \|diff\| .*, same argmax at {argmax}/{positions}", lines[0]), lines[0]
+    assert re.fullmatch(
+        rf"speculative decoding: one verify step of 4 tokens per sequence equals 4 "
+        rf"token-by-token decode steps within {bound(verify_bound)}: max \|diff\| .*, same "
+        rf"argmax at 16/16 positions; the model drafting for itself: 4/4 drafts accepted in "
+        rf"every sequence", lines[1]), lines[1]
+
 def test_module_fixture_runs_on_the_cpu(results):
     # conftest makes the CPU the session's default before any fixture, so this module-scoped
     # run is on the CPU also where a GPU is visible (its bounds are the CPU's).
@@ -211,14 +227,8 @@ def test_free_running_and_options(example, capsys):
     # speculative verify step, the model drafting for itself. Measured at this size (1 layer,
     # NHD, 4over6) for seeds 0..9: prefill max |diff| 0.019..0.022; verify 0 to 6.7e-4, every
     # draft accepted.
-    assert re.fullmatch(r"chunked prefill: 4 prompts through the NVFP4 cache 5 tokens at a time "
-                        r"\(1 to 5 chunks each, 5 ragged steps\): logits match the dense prefill "
-                        r"\(K/V through NVFP4\) within 0\.15 at all 39 prompt positions: max "
-                        r"\|diff\| .*, same argmax at \d+/39", lines[6]), lines[6]
-    assert re.fullmatch(r"speculative decoding: one verify step of 4 tokens per sequence equals "
-                        r"4 token-by-token decode steps within 0\.025: max \|diff\| .*, same "
-                        r"argmax at 16/16 positions; the model drafting for itself: 4/4 drafts "
-                        r"accepted in every sequence", lines[7]), lines[7]
+    assert_check_lines(lines[6:8], chunk=5, chunks="1 to 5", steps=5, prefill_bound="0.15",
+                       positions=39, argmax=r"\d+", verify_bound="0.025")
     assert len(lines) == 8, lines
     c, s = r["chunked_prefill"], r["speculative"]
     assert c["chunks_per_prompt"] == [1, 2, 2, 5] and c["max_abs_diff"] <= 0.06
@@ -510,14 +520,8 @@ def test_default_run_on_the_trained_model(example, capsys):
     assert lines[4].startswith("agreement: ") and "KL(bf16 || NVFP4) mean " in lines[4]
     assert lines[5].startswith("  greedy-token agreement (free-running): ")
     assert "random weights" not in "\n".join(lines)
-    assert re.fullmatch(r"chunked prefill: 4 prompts through the NVFP4 cache 24 tokens at a time "
-                        r"\(3 to 7 chunks each, 7 ragged steps\): logits match the dense prefill "
-                        r"\(K/V through NVFP4\) within 0\.001 at all 448 prompt positions: max "
-                        r"\|diff\| .*, same argmax at 448/448", lines[6]), lines[6]
-    assert re.fullmatch(r"speculative decoding: one verify step of 4 tokens per sequence equals "
-                        r"4 token-by-token decode steps within 0\.001: max \|diff\| .*, same "
-                        r"argmax at 16/16 positions; the model drafting for itself: 4/4 drafts "
-                        r"accepted in every sequence", lines[7]), lines[7]
+    assert_check_lines(lines[6:8], chunk=24, chunks="3 to 7", steps=7, prefill_bound="0.001",
+                       positions=448, argmax="448", verify_bound="0.001")
     assert lines[8].startswith("generated text (greedy, 49 bytes after a prompt of held-out text")
     assert len(lines) == 9 + 4 * 4, lines
     for b in range(4):

@@ -250,6 +250,52 @@ def test_cpu_vmap_over_stacked_layers_and_over_q():
         np.testing.assert_array_equal(np.asarray(shared[i]), np.asarray(one))
 
 
+def test_token_plan_without_sequences():
+    seq, end = reference.ragged_token_plan(jnp.zeros((1,), jnp.int32), jnp.int32(0),
+                                           jnp.zeros((0,), jnp.int32), 5, 16)
+    np.testing.assert_array_equal(np.asarray(end), 0)
+    assert seq.shape == end.shape == (5,)
+
+
+def _with_nan_keys(case, positions):
+    """The case's cache with a NaN key vector (and a finite value) stored at each (sequence,
+    position) of ``positions``, every head (the store writes the NaN block scale there)."""
+    bs = case.case.block_size
+    slots = np.array([case.tables[b, t // bs] * bs + t % bs for b, t in positions], np.int32)
+    shape = (len(slots), case.num_kv_heads, case.head_size)
+    with jax.default_device(CPU):
+        return nv.reshape_and_cache(jnp.full(shape, jnp.nan, jnp.bfloat16),
+                                    jnp.ones(shape, jnp.bfloat16), case.cache,
+                                    jnp.asarray(slots), case.k_scale, case.v_scale,
+                                    **case.options)
+
+
+def _nan_case():
+    """MIXED with a NaN key vector stored at position 40 of sequence 2 (its chunk's queries are
+    at 47..69: all see it) and at position 8 of sequence 1 (its 4 drafts are at 46..49: all see
+    it), and a NaN query row (token 5, head 3). Returns (case, q, rows that must be NaN)."""
+    case = shared_case(3, MIXED, head_size=64)
+    cache = _with_nan_keys(case, ((2, 40), (1, 8)))
+    q = np.array(case.query(8, jnp.float32, seed=7))
+    q[5, 3, 0] = np.nan
+    nan_rows = np.zeros(q.shape[:2], bool)
+    nan_rows[case.starts[1]:case.starts[2]] = True      # every query of sequence 1
+    nan_rows[case.starts[2]:case.starts[3]] = True      # every query of sequence 2
+    nan_rows[5, 3] = True
+    return case, cache, jnp.asarray(q), nan_rows
+
+
+def test_cpu_nan_scores_give_nan_rows_and_nothing_else():
+    """A NaN key among the positions a query sees, or a NaN in the query, makes exactly those
+    rows NaN (as the decode reader does); the other rows are unchanged."""
+    case, cache, q, nan_rows = _nan_case()
+    out = np.asarray(_cpu(ragged_jit, *case.args(q, cache=cache), **case.options))
+    np.testing.assert_array_equal(np.isnan(out).any(axis=-1), nan_rows)
+    clean = np.asarray(_cpu(ragged_jit, *case.args(jnp.where(jnp.isnan(q), 0.0, q)),
+                            **case.options))
+    np.testing.assert_array_equal(out[~nan_rows], clean[~nan_rows])
+
+
 def test_plan_splits():
     """Few tiles over long contexts split; prefill chunks do not; the workspace stays bounded."""
     # 32 sequences x 4 drafts, 8 kv heads, GQA 4, 8192 positions: 40 tile slots x 8 heads.
@@ -262,6 +308,11 @@ def test_plan_splits():
     # The workspace bound.
     splits, per = rp.plan_splits(1, 16384, 1, 1, 1, 256, 2 ** 20, 132, 2)
     assert splits * 16384 * 256 * 4 <= rp.MAX_WORKSPACE_BYTES and splits * per >= 2 ** 20
+    # The grid: members x splits <= 65535; every split starts inside the table.
+    for stacked, tokens in ((10000, 2 ** 22), (3, 2 ** 20), (1, 64), (1, 0)):
+        splits, per = rp.plan_splits(stacked, 1, 1, 1, 1, 64, tokens, 132, 2)
+        assert stacked * splits <= rp.MAX_GRID_Z and splits * per >= tokens
+        assert (splits - 1) * per < max(tokens, 1) and per % rp.KV_TILE == 0
 
 
 # =============================================================================== GPU
@@ -310,6 +361,16 @@ def q_rounding_bound(case, q):
     qa = qa.reshape(T, kv, heads // kv, head_size)
     top = np.stack([(qa[:, h] @ ks[:, h].T).max(axis=-1) for h in range(kv)], axis=1)
     return FP16_UNIT / np.sqrt(head_size) * top.reshape(T, heads)
+
+
+def assert_kernel_matches_jnp(case, q, label):
+    """The kernel on the GPU against the jnp path on the CPU: out and lse within the decode
+    kernel's bounds (a bf16/fp16 q: no rounding term in the lse bound)."""
+    ref, ref_lse = _cpu(case.run, q, return_lse=True)
+    out, lse = ragged_jit(*jax.device_put(case.args(q), jax.devices("gpu")[0]), **case.options,
+                          return_lse=True, impl="kernel")
+    assert_out_close(jax.device_get(out), ref, q.dtype, roundings=2, label=label)
+    assert_lse_close(jax.device_get(lse), ref_lse, KERNEL_LSE_ABS + q_rounding_bound(case, q))
 
 
 @pytest.mark.gpu
@@ -363,12 +424,7 @@ def test_gpu_split_kv_plan_is_used_and_matches():
     case = shared_case(41, ((6000, 4),), head_size=128, pad_tokens=2)
     assert rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 8, 128,
                           case.capacity, 132, 2)[0] > 1
-    q = case.query(8, jnp.bfloat16, seed=3)
-    ref, ref_lse = _cpu(case.run, q, return_lse=True)
-    out, lse = ragged_jit(*jax.device_put(case.args(q), jax.devices("gpu")[0]), **case.options,
-                          return_lse=True, impl="kernel")
-    assert_out_close(jax.device_get(out), ref, q.dtype, roundings=2, label="ragged_split")
-    assert_lse_close(jax.device_get(lse), ref_lse, KERNEL_LSE_ABS)
+    assert_kernel_matches_jnp(case, case.query(8, jnp.bfloat16, seed=3), "ragged_split")
 
 
 @pytest.mark.gpu
@@ -424,3 +480,79 @@ def test_gpu_checked_and_dynamic_num_seqs():
     args[2] = jnp.asarray(tables)
     err, _ = checked(*jax.device_put(args, gpu))
     assert "block_tables[1, 0]" in err.get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed,seqs,kv,ratio,bs", [
+    # 40 sequences: the tile scan runs more than once; decode, drafts and chunks mixed.
+    (51, tuple((30 + 7 * i, (1, 4, 9, 0)[i % 4]) for i in range(40)), 2, 4, 16),
+    (52, MIXED, 4, 3, 4),              # GQA 3 (rows of a tile split tokens), pages of 4
+    (53, MIXED, 2, 6, 12),             # GQA 6
+], ids=["s40", "gqa3-bs4", "gqa6-bs12"])
+def test_gpu_more_sequences_groups_and_pages(seed, seqs, kv, ratio, bs):
+    case = shared_case(seed, seqs, head_size=128, num_kv_heads=kv, block_size=bs)
+    assert_kernel_matches_jnp(case, case.query(kv * ratio, jnp.bfloat16, seed=seed), "ragged")
+
+
+@pytest.mark.gpu
+def test_gpu_vmap_per_member_tables_and_layouts():
+    """vmap over stacked caches with each member's own block tables, lengths, offsets and
+    num_seqs: one launch, each member equal to its own call."""
+    a = shared_case(61, MIXED, head_size=64)
+    b = shared_case(62, ((80, 3), (17, 17), (5, 1), (44, 9), (3, 0), (60, 30), (12, 2)),
+                    head_size=64)
+    gpu = jax.devices("gpu")[0]
+    qa, qb = a.query(8, jnp.bfloat16, seed=1), b.query(8, jnp.bfloat16, seed=2)
+    T = max(a.num_tokens, b.num_tokens)
+    pad = lambda x: jnp.pad(x, ((0, T - x.shape[0]), (0, 0), (0, 0)))  # noqa: E731
+    nb = max(a.cache.shape[0], b.cache.shape[0])
+    cpad = lambda c: jnp.pad(c, ((0, nb - c.shape[0]),) + ((0, 0),) * 4)  # noqa: E731
+    cols = max(a.tables.shape[1], b.tables.shape[1])
+    tpad = lambda t: np.pad(t, ((0, 0), (0, cols - t.shape[1])), constant_values=-1)  # noqa: E731
+    stack = lambda f: jnp.stack([jnp.asarray(f(a)), jnp.asarray(f(b))])  # noqa: E731
+    args = (jnp.stack([pad(qa), pad(qb)]), stack(lambda c: cpad(c.cache)),
+            stack(lambda c: tpad(c.tables)), stack(lambda c: c.seq_lens),
+            stack(lambda c: c.cu_q_lens), jnp.asarray([a.num_seqs, b.num_seqs], jnp.int32),
+            stack(lambda c: c.k_scale), stack(lambda c: c.v_scale))
+    args = jax.device_put(args, gpu)
+    f = jax.vmap(lambda *x: nv.ragged_paged_attention(*x, impl="kernel"))
+    both = jax.jit(f)(*args)
+    text = jax.jit(f).lower(*args).compile().as_text()
+    assert text.count(f'custom_call_target="{rp.RAGGED_TARGET}"') == 1
+    one = jax.jit(lambda *x: nv.ragged_paged_attention(*x, impl="kernel"))
+    for i in range(2):
+        member = one(*(x[i] for x in args))
+        np.testing.assert_array_equal(np.asarray(both[i]), np.asarray(member))
+
+
+def _long_nan_case():
+    """Two long sequences (4 drafts over 6000, 2 over 5000: the plan splits them), a NaN key at
+    position 3000 of the first (all its queries see it, in one split only) and a NaN query row
+    (sequence 1's first token, head 2). Returns (case, cache, q, rows that must be NaN)."""
+    case = shared_case(71, ((6000, 4), (5000, 2)), head_size=128, pad_tokens=2)
+    cache = _with_nan_keys(case, ((0, 3000),))
+    q = np.array(case.query(8, jnp.bfloat16, seed=3).astype(jnp.float32))
+    q[case.starts[1], 2, 5] = np.nan
+    nan_rows = np.zeros(q.shape[:2], bool)
+    nan_rows[case.starts[0]:case.starts[1]] = True
+    nan_rows[case.starts[1], 2] = True
+    return case, cache, jnp.asarray(q, jnp.bfloat16), nan_rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("make", [_nan_case, _long_nan_case], ids=["one-split", "split-kv"])
+def test_gpu_nan_scores_give_nan_rows_and_nothing_else(make):
+    """As on the CPU: exactly the rows that see a NaN key (or have a NaN query) are NaN, also
+    when the long context is split across CTAs and merged; the other rows match the jnp path."""
+    case, cache, q, nan_rows = make()
+    if make is _long_nan_case:
+        assert rp.plan_splits(1, case.num_tokens, len(case.tables), case.num_kv_heads,
+                              8, 128, case.capacity, 132, 2)[0] > 1
+    args = case.args(q, cache=cache)
+    out = np.asarray(jax.device_get(ragged_jit(*jax.device_put(args, jax.devices("gpu")[0]),
+                                               **case.options, impl="kernel")), np.float32)
+    ref = np.asarray(_cpu(ragged_jit, *args, **case.options), np.float32)
+    np.testing.assert_array_equal(np.isnan(ref).any(axis=-1), nan_rows)
+    np.testing.assert_array_equal(np.isnan(out).any(axis=-1), nan_rows)
+    assert_out_close(np.where(nan_rows[..., None], 0, out), np.where(nan_rows[..., None], 0, ref),
+                     q.dtype, roundings=2)
