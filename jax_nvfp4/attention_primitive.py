@@ -418,8 +418,9 @@ def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
 def partitioned(body):
     """``body(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
     v_scale_swizzle) -> (out, lse)`` (the kernel call, on per-device shapes) under custom
-    partitioning: each device runs it on its own stacked members and sequences. (The tests
-    also wrap the jnp path with it, to check these rules on CPU devices.)"""
+    partitioning: each device runs it on its own stacked members and sequences. (Only the
+    kernel call can be wrapped: custom_partitioning refuses a body with constants, such as the
+    jnp path's tables.)"""
 
     def partition(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
         del result_shape

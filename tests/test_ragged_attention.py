@@ -35,10 +35,14 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import ragged_primitive as rp
 from jax_nvfp4 import reference
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import hlo_checks as hc
 from attention_cases import Case, paged_attention_jit
+from meshes import make_mesh
 from ragged_cases import RaggedCase, ragged_jit, shared_case
 from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
-                                assert_lse_close, assert_out_close)
+                                assert_lse_close, assert_out_close, partitioner)  # noqa: F401
 
 F32_REL = 4e-6
 F32_LSE_ABS = 2e-5
@@ -294,6 +298,69 @@ def test_cpu_nan_scores_give_nan_rows_and_nothing_else():
     clean = np.asarray(_cpu(ragged_jit, *case.args(jnp.where(jnp.isnan(q), 0.0, q)),
                             **case.options))
     np.testing.assert_array_equal(out[~nan_rows], clean[~nan_rows])
+
+
+def _stacked_args(count):
+    """``count`` layers' caches stacked ``[L, ...]`` (each the MIXED case with its own K/V) and
+    one q per layer, sharing the batch layout."""
+    cases = [shared_case(81 + i, MIXED, head_size=64) for i in range(count)]
+    q = jnp.stack([c.query(8, jnp.float32, seed=i) for i, c in enumerate(cases)])
+    cache = jnp.stack([c.cache for c in cases])
+    rest = cases[0].args(q[0])[2:6]
+    scales = tuple(jnp.stack([getattr(c, n) for c in cases]) for n in ("k_scale", "v_scale"))
+    return cases, (q, cache) + tuple(rest) + scales
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_stacked_layers_sharded_no_collectives(partitioner, count):
+    """vmap over layers with the stacked cache sharded on its layer axis: each device reads its
+    own layers, with no collective and no copy of the cache; = one device."""
+    mesh = make_mesh((count,), ("l",))
+    cases, args = _stacked_args(count)
+    layer = P("l")
+    specs = (layer, layer, P(), P(), P(), P(), layer, layer)
+    f = jax.jit(jax.vmap(lambda q, c, t, n, u, s, k, v: nv.ragged_paged_attention(
+        q, c, t, n, u, s, k, v, return_lse=True), in_axes=(0, 0, None, None, None, None, 0, 0)))
+    placed = [jax.device_put(a, NamedSharding(mesh, sp)) for a, sp in zip(args, specs)]
+    hlo = f.lower(*placed).compile().as_text()
+    out, lse = f(*placed)
+    ref_out, ref_lse = jax.device_get(f(*jax.device_put(args, mesh.devices.flat[0])))
+    assert hc.collectives(hlo) == [], hc.collectives(hlo)
+    local = NamedSharding(mesh, layer).shard_shape(args[1].shape)
+    assert hc.cache_copies(hlo, [args[1].shape, local]) == []
+    assert out.sharding.is_equivalent_to(NamedSharding(mesh, layer), 4)
+    if mesh.devices.flat[0].platform == "cpu":
+        np.testing.assert_array_equal(np.asarray(out), ref_out)
+        np.testing.assert_array_equal(np.asarray(lse), ref_lse)
+    else:  # the kernel on each GPU: another split plan, kernel-level differences
+        for i in range(count):
+            assert_out_close(np.asarray(out[i]), ref_out[i], jnp.float32, roundings=2)
+
+
+def test_partitioning_rules_split_the_stacked_axis():
+    """The kernel's custom-partitioning rules (ragged_primitive: the Shardy rule and the GSPMD
+    plan), read directly: the stacked axis follows the cache's sharding, a shared operand (one
+    row) and every other axis are replicated. (custom_partitioning refuses a body with
+    constants, such as the jnp path, so the rules run end to end only around the kernel: on two
+    GPUs, issue 24.)"""
+    mesh = make_mesh((2,), ("l",))
+    L, T, S, M = 2, 40, 9, 8
+    shapes = [(L, T, 8, 64), (L, 30, 2, 2, 16, 36), (1, S, M), (1, S), (1, S + 1), (1,),
+              (L,), (L,), (1,)]
+    text, extra = rp._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
+                                                         for x in shapes], None)
+    assert text == ("stack tokens q_heads head_size, stack c_blocks c_side c_heads c_rows c_f, "
+                    "t_one seqs pages, l_one seqs, u_one seqs_1, n_one, stack, stack, s_one -> "
+                    "stack tokens q_heads head_size, stack tokens q_heads")
+    assert "stack" not in extra["need_replication_factors"]
+    assert set(extra["need_replication_factors"]) >= {"tokens", "seqs", "pages", "c_blocks"}
+    operands, results = rp._plan("HND", shapes, NamedSharding(mesh, P("l")))
+    assert [tuple(o) for o in operands] == [
+        ("l", None, None, None), ("l", None, None, None, None, None), (None, None, None),
+        (None, None), (None, None), (None,), ("l",), ("l",), (None,)]
+    assert [tuple(r) for r in results] == [("l", None, None, None), ("l", None, None)]
+    operands, _ = rp._plan("HND", shapes, NamedSharding(mesh, P()))   # a replicated cache
+    assert all(e is None for o in operands for e in o)
 
 
 def test_plan_splits():
