@@ -71,23 +71,32 @@ def _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle
     return kv_cache, geo
 
 
-def _check_tables(block_tables, seq_lens, batch, batch_name="q's batch"):
-    """Validates block_tables and seq_lens (lists/NumPy arrays are accepted and converted; their
-    values must fit int32, the dtype the readers use, rather than wrap). ``batch`` is their
-    leading size (``batch_name`` says where it comes from, for the message)."""
-    block_tables = checks.host_integers(block_tables, "block_tables", np.int32)
-    seq_lens = checks.host_integers(seq_lens, "seq_lens", np.int32)
-    block_tables, seq_lens = (x if hasattr(x, "dtype") else jnp.asarray(x)
-                              for x in (block_tables, seq_lens))
-    for name, x, rank, what in (("block_tables", block_tables, 2, "[batch, max_blocks_per_seq]"),
-                                ("seq_lens", seq_lens, 1, "[batch]")):
+def _integer_arrays(*items):
+    """``(name, value, fits, what)`` items: each value as an integer array (lists and NumPy
+    arrays are accepted and converted; their values must fit int32, the dtype the readers use,
+    rather than wrap) whose shape ``fits(shape)``, else an error naming it and saying ``what``
+    shape it must have. Returns the arrays."""
+    arrays = []
+    for name, x, fits, what in items:
+        x = checks.host_integers(x, name, np.int32)
+        x = x if hasattr(x, "dtype") else jnp.asarray(x)
         if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
             got = checks.dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
             raise TypeError(f"{name} must be an integer array (int32), got {got}")
-        if len(x.shape) != rank or x.shape[0] != batch:
-            raise ValueError(f"{name} must have shape {what} with batch = {batch} ({batch_name}), "
-                             f"got shape {tuple(x.shape)}")
-    return block_tables, seq_lens
+        if not fits(tuple(x.shape)):
+            raise ValueError(f"{name} must have shape {what}, got shape {tuple(x.shape)}")
+        arrays.append(x)
+    return arrays
+
+
+def _check_tables(block_tables, seq_lens, batch):
+    """block_tables ``[batch, max_blocks_per_seq]`` and seq_lens ``[batch]`` of a decode batch
+    (``batch``: q's), as integer arrays (:func:`_integer_arrays`)."""
+    return _integer_arrays(
+        ("block_tables", block_tables, lambda s: len(s) == 2 and s[0] == batch,
+         f"[batch, max_blocks_per_seq] with batch = {batch} (q's batch)"),
+        ("seq_lens", seq_lens, lambda s: s == (batch,),
+         f"[batch] with batch = {batch} (q's batch)"))
 
 
 def _scale(s, argument):
@@ -276,24 +285,6 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     return result if return_lse else result[0]
 
 
-def _check_ragged_layout(cu_q_lens, num_seqs, max_num_seqs):
-    """cu_q_lens ``[max_num_seqs + 1]`` and num_seqs (a scalar) as int32 arrays."""
-    cu_q_lens = checks.host_integers(cu_q_lens, "cu_q_lens", np.int32)
-    num_seqs = checks.host_integers(num_seqs, "num_seqs", np.int32)
-    cu_q_lens, num_seqs = (x if hasattr(x, "dtype") else jnp.asarray(x)
-                           for x in (cu_q_lens, num_seqs))
-    for name, x, shapes, what in (
-            ("cu_q_lens", cu_q_lens, ((max_num_seqs + 1,),),
-             f"[max_num_seqs + 1] = ({max_num_seqs + 1},) (max_num_seqs = block_tables' rows)"),
-            ("num_seqs", num_seqs, ((), (1,)), "() or (1,) (a scalar)")):
-        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
-            got = checks.dtype_name(x.dtype) if hasattr(x, "dtype") else type(x).__name__
-            raise TypeError(f"{name} must be an integer array (int32), got {got}")
-        if tuple(x.shape) not in shapes:
-            raise ValueError(f"{name} must have shape {what}, got shape {tuple(x.shape)}")
-    return cu_q_lens, jnp.reshape(num_seqs, ())
-
-
 def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, num_blocks,
                        block_size, scales, where):
     """The run-time checks of ``checked=True`` for the ragged reader (``checkify``): ``0 <=
@@ -314,13 +305,13 @@ def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, 
     b = jnp.arange(max_num_seqs, dtype=jnp.int32)
     active = b < ns
     q_len = cu[1:] - cu[:-1]
+    lens = checks.to_int32(seq_lens)
     for n, bad, what in () if not max_num_seqs else (
             (jnp.sum(active & (q_len < 0), dtype=jnp.int32), active & (q_len < 0),
              "decreases: cu_q_lens[{b} + 1] = {value} < cu_q_lens[{b}] (cu_q_lens must be "
              "non-decreasing up to num_seqs; unchecked, a token belongs to the first sequence "
              "that claims it)"),
-            (jnp.sum(active & (q_len > checks.to_int32(seq_lens)), dtype=jnp.int32),
-             active & (q_len > checks.to_int32(seq_lens)),
+            (jnp.sum(active & (q_len > lens), dtype=jnp.int32), active & (q_len > lens),
              "gives sequence {b} more query tokens than seq_lens[{b}]: q_len = {value} (seq_lens "
              "counts the query tokens, which must be stored with reshape_and_cache first; "
              "unchecked, the first query tokens have no position and attend to nothing)")):
@@ -333,8 +324,8 @@ def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, 
                    f"num_tokens = {num_tokens}; got cu_q_lens[0] = {{first}}, "
                    f"cu_q_lens[num_seqs] = {{last}} (unchecked, clamped into [0, num_tokens])",
                    first=cu[0], last=last)
-    lens = jnp.where(active, checks.to_int32(seq_lens), 0)   # padding sequences read nothing
-    check_reads(block_tables, lens, num_blocks, block_size, scales, where)
+    # Padding sequences read nothing.
+    check_reads(block_tables, jnp.where(active, lens, 0), num_blocks, block_size, scales, where)
 
 
 def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
@@ -416,15 +407,16 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     num_tokens, num_q_heads, head_size = _check_q(
         q, "[num_tokens, num_q_heads, head_size] (the query tokens of all sequences, packed)")
     kv_cache, geo = _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle)
-    block_tables = checks.host_integers(block_tables, "block_tables", np.int32)
-    if not hasattr(block_tables, "shape") or len(block_tables.shape) != 2:
-        raise ValueError("block_tables must have shape [max_num_seqs, max_blocks_per_seq], got "
-                         + (f"shape {tuple(block_tables.shape)}" if hasattr(block_tables, "shape")
-                            else type(block_tables).__name__))
+    (block_tables,) = _integer_arrays(("block_tables", block_tables, lambda s: len(s) == 2,
+                                       "[max_num_seqs, max_blocks_per_seq]"))
     max_num_seqs = block_tables.shape[0]
-    block_tables, seq_lens = _check_tables(block_tables, seq_lens, max_num_seqs,
-                                           "max_num_seqs, block_tables' rows")
-    cu_q_lens, num_seqs = _check_ragged_layout(cu_q_lens, num_seqs, max_num_seqs)
+    seq_lens, cu_q_lens, num_seqs = _integer_arrays(
+        ("seq_lens", seq_lens, lambda s: s == (max_num_seqs,),
+         f"[max_num_seqs] = ({max_num_seqs},) (max_num_seqs = block_tables' rows)"),
+        ("cu_q_lens", cu_q_lens, lambda s: s == (max_num_seqs + 1,),
+         f"[max_num_seqs + 1] = ({max_num_seqs + 1},) (max_num_seqs = block_tables' rows)"),
+        ("num_seqs", num_seqs, lambda s: s in ((), (1,)), "() or (1,) (a scalar)"))
+    num_seqs = jnp.reshape(num_seqs, ())
     k_scale, v_scale, sm_scale = _check_scales_and_pages(k_scale, v_scale, sm_scale, head_size,
                                                          geo, block_tables)
     if checked:

@@ -146,19 +146,12 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     units = stacked * num_kv_heads * max(tile_slots(num_tokens, max_num_seqs, group), 1)
     splits, per_split = _decode.plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm,
                                                       KV_TILE)
-    row_bytes = stacked * num_tokens * num_q_heads * head_size * 4
-    while splits > 1 and splits * row_bytes > MAX_WORKSPACE_BYTES:
-        splits = max(splits // 2, 1)
-        per_split = -(-max(max_tokens, 1) // splits)
+    row_bytes = stacked * num_tokens * num_q_heads * head_size * 4   # one split's workspace
+    most = max(min(MAX_WORKSPACE_BYTES // max(row_bytes, 1), MAX_GRID_Z // max(stacked, 1)), 1)
+    if splits > most:   # fewer, longer splits (a multiple of KV_TILE, each starting inside)
+        per_split = -(-max(max_tokens, 1) // most)
         per_split = -(-per_split // KV_TILE) * KV_TILE
         splits = -(-max(max_tokens, 1) // per_split)
-    while splits > 1 and stacked * splits > MAX_GRID_Z:   # the kernel's grid: members x splits
-        splits = max(min(splits - 1, MAX_GRID_Z // max(stacked, 1)), 1)
-        per_split = -(-max(max_tokens, 1) // splits)
-        per_split = -(-per_split // KV_TILE) * KV_TILE
-        splits = -(-max(max_tokens, 1) // per_split)
-    if splits == 1:
-        per_split = max(-(-max(max_tokens, 1) // KV_TILE) * KV_TILE, KV_TILE)
     return splits, per_split
 
 
