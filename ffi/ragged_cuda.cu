@@ -56,21 +56,10 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // query rows per CTA (jax_nvfp4/ragged_primitive.py)
 constexpr uint32_t kFullMask = 0xFFFFFFFFu;
-// Build-time variants for measuring (CMAKE_CUDA_FLAGS): positions per step for head size
-// 128, q fragments in registers (64 and 128), CTAs per SM the registers are budgeted for.
-#ifndef NVFP4_RAGGED_KV_TILE
-#define NVFP4_RAGGED_KV_TILE 64
-#endif
-#ifndef NVFP4_RAGGED_Q_IN_REGISTERS
-#define NVFP4_RAGGED_Q_IN_REGISTERS 1
-#endif
-#ifndef NVFP4_RAGGED_MIN_CTAS
-#define NVFP4_RAGGED_MIN_CTAS 2
-#endif
 
 template <int kHead>
 struct RaggedShape {
-  static constexpr int kKv = kHead >= 256 ? 32 : kHead == 128 ? NVFP4_RAGGED_KV_TILE : 64;
+  static constexpr int kKv = kHead >= 256 ? 32 : 64;  // positions converted per step
   static constexpr int kStride = kHead + 8;            // halves per shared q row (+16 B: no
                                                        // bank conflicts for ldmatrix)
   static constexpr int kKSteps = kHead / 16;           // MMA k-steps of S
@@ -86,12 +75,10 @@ struct RaggedShape {
   static constexpr int kScaleBytes = kThreadDims / 16;  // 4 or 8
   // q's fragments in registers for the whole CTA (head size 256: from shared memory each step,
   // the O accumulators need the registers).
-  static constexpr bool kQInRegisters = kHead <= 128 && NVFP4_RAGGED_Q_IN_REGISTERS;
-  // CTAs per SM the registers are budgeted for (head size 256: shared memory allows 2 at most).
-  static constexpr int kMinCtasPerSm = kHead >= 256 ? 2 : NVFP4_RAGGED_MIN_CTAS;
-  // Tiles of 64 rows multiply on wgmma where it exists (sm_90a), with q from registers; the
-  // others (and head size 256) on mma.sync.
-  static constexpr bool kWgmma = kHasWgmma && kQInRegisters && kKv == 64;
+  static constexpr bool kQInRegisters = kHead <= 128;
+  // Tiles of more than 32 rows multiply on wgmma where it exists (sm_90a), with q from
+  // registers; the others (and head size 256) on mma.sync.
+  static constexpr bool kWgmma = kHasWgmma && kQInRegisters;
   // The raw page bytes of a step are copied (cp.async) into a ring of kStages stages, kStages - 1
   // steps ahead of their conversion: what is in flight per CTA, ~3 x 9 KB, hides the memory
   // latency where a step's tensor-core work is short (few query rows). A staged code row is
@@ -394,7 +381,7 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
 // The kernel.
 
 template <int kHead, bool kSwizzle, Layout kLayout>
-__global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
+__global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allows no more
     RaggedKernel(const RaggedProblem p, const RaggedGrid grid) {
   using R = RaggedShape<kHead>;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -574,10 +561,8 @@ __global__ void __launch_bounds__(kThreads, RaggedShape<kHead>::kMinCtasPerSm)
       ldmatrix_x4(qf[k], q_smem + (mt * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
   }
   const int my_row0 = mt * 16 + g;
-  const int32_t limit[2] = {has_rows ? row_end[min(my_row0, kRows - 1)] : 0,
-                            has_rows ? row_end[min(my_row0 + 8, kRows - 1)] : 0};
-  const float score_scale[2] = {row_scale[min(my_row0, kRows - 1)],
-                                row_scale[min(my_row0 + 8, kRows - 1)]};
+  const int32_t limit[2] = {has_rows ? row_end[my_row0] : 0, has_rows ? row_end[my_row0 + 8] : 0};
+  const float score_scale[2] = {row_scale[my_row0], row_scale[my_row0 + 8]};
   // The smallest end among this warp's rows: steps below it need no mask.
   int32_t warp_min_end = INT_MAX;
   if (has_rows) {
