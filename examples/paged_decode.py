@@ -92,7 +92,7 @@ from jax_nvfp4.ragged_primitive import kernel_supports as ragged_kernel_supports
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 import tiny_lm  # noqa: E402
-from tiny_lm import forward, init_params, logits_of, mlp_block, prefill, qkv  # noqa: E402,F401
+from tiny_lm import forward, init_params, logits_of, mlp_block, qkv  # noqa: E402
 
 KINDS = ("bf16", "nvfp4")
 

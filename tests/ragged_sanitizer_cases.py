@@ -12,7 +12,6 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import numpy as np, jax, jax.numpy as jnp
-import jax_nvfp4 as nv
 from ragged_cases import RaggedCase, ragged_jit
 cpu, gpu = jax.devices("cpu")[0], jax.devices("gpu")[0]
 cases = [

@@ -196,7 +196,7 @@ def test_paged_bf16_decode_matches_dense_recompute(example, results):
     for b, n in enumerate(lens):
         tokens[b, :n] = results["prompts"][b, :n]
         tokens[b, n:n + steps] = results["tokens_bf16"][b, :steps]
-    prefill = jax.jit(lambda p, t, n: example.prefill(cfg, p, t, n)[0])
+    prefill = jax.jit(lambda p, t, n: example.tiny_lm.prefill(cfg, p, t, n)[0])
     logits = prefill(params, jnp.asarray(tokens), jnp.asarray(lens + steps, jnp.int32))
     diff = np.abs(np.asarray(logits) - results["logits_bf16"][:, -1])
     assert diff.mean() <= MAX_MEAN_DENSE_DIFF and diff.max() <= MAX_MAX_DENSE_DIFF, diff.max()

@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_checks as hc
 from attention_cases import Case, paged_attention_jit
 from meshes import make_mesh
-from ragged_cases import RaggedCase, ragged_jit, shared_case
+from ragged_cases import ragged_jit, shared_case
 from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
                                 assert_lse_close, assert_out_close, partitioner)  # noqa: F401
 
