@@ -39,6 +39,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cmath>
 #include <cstdint>
@@ -823,18 +824,32 @@ int64_t TileSlots(const RaggedProblem& p) {
 }
 int64_t FillSlots(const RaggedProblem& p) { return (int64_t(p.num_tokens) + 63) / 64; }
 
+// The kernel's function attributes, once per device (they belong to the device's module, and
+// setting them on every launch would cost two driver calls a step): more than 48 KB of dynamic
+// shared memory, and all of L1 as shared memory where possible (two CTAs of ~100 KB per SM).
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t Configure() {
+  static std::atomic<uint64_t> configured{0};  // a bit per device (devices 64+: every time)
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (configured.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               RaggedShape<kHead>::kSmemBytes);
+  if (error == cudaSuccess)
+    error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+  if (error == cudaSuccess) configured.fetch_or(bit, std::memory_order_release);
+  return error;
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
   using R = RaggedShape<kHead>;
   const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
-  // More than 48 KB of dynamic shared memory needs the function's limit raised (a host-side
-  // attribute of the current device's module: set on every launch, so every device has it).
-  cudaError_t configured = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, R::kSmemBytes);
-  // All of L1 as shared memory where possible: two CTAs of ~100 KB per SM.
-  if (configured == cudaSuccess)
-    configured = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                      cudaSharedmemCarveoutMaxShared);
+  const cudaError_t configured = Configure<kHead, kSwizzle, kLayout>();
   if (configured != cudaSuccess) return configured;
   const RaggedGrid grid{int32_t(TileSlots(p)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
@@ -889,10 +904,7 @@ int ResidentCtas() {
   using R = RaggedShape<kHead>;
   const auto kernel = RaggedKernel<kHead, true, Layout::kHND>;
   int ctas = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           R::kSmemBytes) != cudaSuccess ||
-      cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                           cudaSharedmemCarveoutMaxShared) != cudaSuccess ||
+  if (Configure<kHead, true, Layout::kHND>() != cudaSuccess ||
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, R::kSmemBytes) !=
           cudaSuccess) {
     cudaGetLastError();
