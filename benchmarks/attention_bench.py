@@ -664,22 +664,22 @@ def _csv(text, allowed, what):
     return items
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def timing_options(description, methods, points_example):
+    """The command line the chained-call benchmarks share (this one and prefill_bench.py): the
+    grid and methods, the timing (repeats, chain lengths), the memory budgets, the output."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a tiny grid (a smoke run, e.g. on CPU)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "out"),
                    help="folder for the JSON, table and PNG (default benchmarks/out)")
-    p.add_argument("--only", default=",".join(METHODS),
-                   help=f"comma-separated methods among {','.join(METHODS)} (default all)")
+    p.add_argument("--only", default=",".join(methods),
+                   help=f"comma-separated methods among {','.join(methods)} (default all)")
     p.add_argument("--points", default=None,
-                   help="comma-separated grid points, e.g. 32x32768,ragged32 (default all)")
+                   help=f"comma-separated grid points, e.g. {points_example} (default all)")
     p.add_argument("--repeats", type=int, default=None, help="runs per median (default 7, quick 3)")
     p.add_argument("--target-seconds", type=float, default=None,
-                   help="length of the longer chain, in seconds (default 0.05)")
+                   help="length of the longer chain, in seconds (default 0.05, quick 0)")
     p.add_argument("--max-chain", type=int, default=None, help="longest chain (default 200)")
-    p.add_argument("--max-chain-jnp", type=int, default=16,
-                   help="longest chain of the jnp readers (their programs are large)")
     p.add_argument("--max-chain-dense", type=int, default=64,
                    help="longest chain of dense attention (each cuDNN call is its own graph)")
     p.add_argument("--jnp-budget-gib", type=float, default=None,
@@ -688,6 +688,13 @@ def main(argv=None):
     p.add_argument("--ceiling-gib", type=float, default=None,
                    help="buffer of the ceiling measurement (default 2, quick 1/16)")
     p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv=None):
+    p = timing_options(__doc__.split("\n\n")[0], METHODS, "32x32768,ragged32")
+    p.add_argument("--max-chain-jnp", type=int, default=16,
+                   help="longest chain of the jnp readers (their programs are large)")
     args = p.parse_args(argv)
     args.only = _csv(args.only, METHODS, "method")
     quick = args.quick

@@ -60,7 +60,6 @@ parts.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import inspect
 import json
@@ -770,30 +769,11 @@ def markdown(result):
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run, e.g. on CPU)")
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "out"),
-                   help="folder for prefill_bench.{json,md,png} (default benchmarks/out)")
-    p.add_argument("--only", default=",".join(METHODS),
-                   help=f"comma-separated methods among {','.join(METHODS)} (default all)")
-    p.add_argument("--points", default=None, help="comma-separated points (default all)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per median (default 7, quick 3)")
-    p.add_argument("--target-seconds", type=float, default=None,
-                   help="length of the longer chain in seconds (default 0.05, quick 0)")
-    p.add_argument("--max-chain", type=int, default=None, help="longest chain (default 200)")
-    p.add_argument("--max-chain-dense", type=int, default=64,
-                   help="longest chain of the dense methods (each cuDNN call is its own graph)")
+    p = ab.timing_options(__doc__.split("\n\n")[0], METHODS, "chunked1x2048,spec32x4")
     p.add_argument("--q-budget-gib", type=float, default=4.0,
                    help="memory for the per-call queries of a point (bounds the chain length)")
-    p.add_argument("--jnp-budget-gib", type=float, default=None,
-                   help="memory for a jnp reader's intermediates where no CUDA kernel runs "
-                        "(default half of the device's memory)")
-    p.add_argument("--ceiling-gib", type=float, default=None,
-                   help="buffer of the ceiling measurement (default 2, quick 1/16)")
     p.add_argument("--matmul-n", type=int, default=None,
                    help="size of the peak matrix product (default 8192, quick 256)")
-    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     # option: (full grid, --quick), where the command line leaves it out
     defaults = {"repeats": (7, 3), "target_seconds": (0.05, 0.0), "max_chain": (200, 3),
