@@ -14,6 +14,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -236,6 +237,20 @@ __device__ __forceinline__ float merge_splits(const float* lse, const float* par
   }
   *lse2 = top + __log2f(sum);
   return acc / sum;
+}
+
+// Sequence b's query tokens [*start, *next) of a ragged call (every lane of the warp gets
+// them): start_b = clamp(max(cu_q_lens[0..b]), 0, num_tokens), the rule of
+// jax_nvfp4.reference.ragged_token_plan; the caller checks b < num_seqs (b = -1: both are
+// clamp(cu_q_lens[0])).
+__device__ __forceinline__ void sequence_tokens(const int32_t* cu, int32_t b, int32_t num_tokens,
+                                                int lane, int32_t* start, int32_t* next) {
+  int32_t m = INT_MIN;
+  for (int32_t i = lane; i <= b; i += 32) m = max(m, __ldg(cu + i));
+#pragma unroll
+  for (int d = 16; d > 0; d /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, d));
+  *start = min(max(m, 0), num_tokens);
+  *next = min(max(max(m, __ldg(cu + b + 1)), 0), num_tokens);
 }
 
 // ------------------------------------------------------------------------------------------

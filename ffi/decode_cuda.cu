@@ -4,6 +4,8 @@
 // over one split of the sequence's positions (split-KV); each warp takes chunks of 16 or 32
 // positions, keeps its own online softmax, and the warps merge through shared memory. With
 // several splits a second kernel merges the splits' partial results (log-sum-exp weighted).
+// In ragged mode (DecodeProblem::cu_q_lens) the same kernels take the sequences of a ragged call
+// that own one query token (ragged_cuda.cu launches them), q and out rows being tokens.
 //
 // Per chunk, on the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate):
 //   S^T = K Q^T   tokens in M (16 per tile), head dims in K, query heads in N (8),
@@ -396,6 +398,28 @@ __device__ __forceinline__ int lane_dim(int g, int t) {
   return 2 * (kHead / 16) * g + 2 * t;
 }
 
+// Ragged mode (p.cu_q_lens set): whether sequence b of `member` owns exactly one query token
+// (jax_nvfp4.reference.ragged_token_plan), and which (every lane of the warp gets it).
+__device__ __forceinline__ bool one_token_sequence(const DecodeProblem& p, uint32_t member,
+                                                   uint32_t b, int lane, int32_t* token) {
+  const int32_t ns = min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), p.batch);
+  if (int32_t(b) >= ns) return false;
+  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (p.batch + 1) : 0);
+  int32_t next;
+  sequence_tokens(cu, int32_t(b), p.num_tokens, lane, token, &next);
+  return next - *token == 1;
+}
+
+// The row of q, out and lse (times num_q_heads) of sequence b of `member`: the sequence's own,
+// or in ragged mode its query token's (-1: not a one-token sequence, nothing to do here).
+__device__ __forceinline__ int64_t sequence_out_row(const DecodeProblem& p, uint32_t member,
+                                                    uint32_t b, int lane) {
+  if (p.cu_q_lens == nullptr) return int64_t(member) * p.batch + b;
+  int32_t token;
+  if (!one_token_sequence(p, member, b, lane, &token)) return -1;
+  return int64_t(member) * p.num_tokens + token;
+}
+
 // Divisions fixed at launch: the CTA index into (member, sequence, kv head, head tile), and
 // positions into (page, row).
 struct Grid {
@@ -423,8 +447,12 @@ __global__ void __launch_bounds__(kThreads, Shape<kHead>::kMinCtasPerSm)
   const int32_t end = min(begin + p.tokens_per_split, seq_len);
   const int group = p.num_q_heads / int(p.page.num_kv_heads);
   const int heads_here = min(kHeadsPerCta, group - int(head_tile) * kHeadsPerCta);
-  const int64_t first_q_row =
-      (int64_t(member) * p.batch + b) * p.num_q_heads + kv_head * group + head_tile * kHeadsPerCta;
+  const int64_t out_seq_row = sequence_out_row(p, member, b, lane);
+  if (out_seq_row < 0) return;  // ragged mode: the ragged kernel's sequence (CTA-uniform)
+  const int32_t first_head = kv_head * group + head_tile * kHeadsPerCta;
+  // Rows of q, out and lse; of the split-KV workspace (per sequence, also in ragged mode).
+  const int64_t first_q_row = out_seq_row * p.num_q_heads + first_head;
+  const int64_t first_split_row = (int64_t(member) * p.batch + b) * p.num_q_heads + first_head;
 
   if (begin >= end) {
     // No position here. With one split this is a sequence of length 0: zeros, lse -inf.
@@ -560,11 +588,12 @@ __global__ void __launch_bounds__(kThreads, Shape<kHead>::kMinCtasPerSm)
     }
     const float value = acc / sum;
     const float lse2 = offset + __log2f(sum);
-    const int64_t row = first_q_row + h;
     if (p.num_splits == 1) {
+      const int64_t row = first_q_row + h;
       store_out(p.out, p.q_type, row * kHead + d, value * (p.v_scale[p.v_scale_stacked ? member : 0] * 128.f));
       if (d == 0) p.lse[row] = lse2 * kLn2;
     } else {
+      const int64_t row = first_split_row + h;
       p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
       if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
     }
@@ -574,17 +603,20 @@ __global__ void __launch_bounds__(kThreads, Shape<kHead>::kMinCtasPerSm)
 // Combines the splits of each (member, sequence, query head): weights 2^(lse_s - max).
 template <int kHead>
 __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
-  const int64_t row = blockIdx.x;  // (member * batch + b) * num_q_heads + head
+  const int64_t row = blockIdx.x;  // (member * batch + b) * num_q_heads + head: the workspace's
   const int64_t sequence = row / p.num_q_heads;
   const int32_t member = int32_t(sequence / p.batch), b = int32_t(sequence % p.batch);
+  const int64_t out_seq_row = sequence_out_row(p, member, b, threadIdx.x & 31);
+  if (out_seq_row < 0) return;  // ragged mode: the ragged kernel's sequence
+  const int64_t out_row = out_seq_row * p.num_q_heads + row % p.num_q_heads;
   const int32_t max_tokens = p.max_blocks * int32_t(p.page.block_size);
   const int32_t seq_len =
       min(max(p.seq_lens[(p.lens_stacked ? member * p.batch : 0) + b], 0), max_tokens);
   const int active = min((seq_len + p.tokens_per_split - 1) / p.tokens_per_split, p.num_splits);
   const int d = threadIdx.x;
   if (active == 0) {
-    store_out(p.out, p.q_type, row * kHead + d, 0.f);
-    if (d == 0) p.lse[row] = -INFINITY;
+    store_out(p.out, p.q_type, out_row * kHead + d, 0.f);
+    if (d == 0) p.lse[out_row] = -INFINITY;
     return;
   }
   float lse2;
@@ -592,8 +624,8 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
                                    p.partial_out + row * p.num_splits * kHead, kHead, active, d,
                                    &lse2);
   const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
-  store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
-  if (d == 0) p.lse[row] = lse2 * kLn2;
+  store_out(p.out, p.q_type, out_row * kHead + d, value * (v_scale * 128.f));
+  if (d == 0) p.lse[out_row] = lse2 * kLn2;
 }
 
 // Tiles of kHeadsPerCta query heads per kv head; a CTA (per split) for each (member, sequence,
@@ -607,7 +639,7 @@ int64_t CtasPerSplit(const DecodeProblem& p) {
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
-cudaError_t Launch(cudaStream_t stream, const DecodeProblem& p) {
+cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
   const int head_tiles = HeadTiles(p);
   const int64_t units = CtasPerSplit(p);
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
@@ -639,15 +671,7 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return DecodeArgumentError("kv_cache has no pages but block_tables has columns");
   if (CtasPerSplit(p) >= (int64_t(1) << 31)) return DecodeArgumentError("more than 2^31 CTAs");
-  const cudaError_t launched = WithHeadSize(
-      p.page.head_size,
-      [&](auto head) {
-        return WithPageOptions(p.page, [&](auto swizzle, auto layout) {
-          return Launch<decltype(head)::value, decltype(swizzle)::value, decltype(layout)::value>(
-              stream, p);
-        });
-      },
-      cudaErrorInvalidValue);
+  const cudaError_t launched = LaunchDecodeAttention(stream, p);
   if (launched != cudaSuccess) return CudaError("paged_attention", "kernel launch", launched);
   return ffi::Error::Success();
 }
@@ -664,6 +688,18 @@ int ResidentCtas() {
 }
 
 }  // namespace
+
+cudaError_t LaunchDecodeAttention(cudaStream_t stream, const DecodeProblem& p) {
+  return WithHeadSize(
+      p.page.head_size,
+      [&](auto head) {
+        return WithPageOptions(p.page, [&](auto swizzle, auto layout) {
+          return LaunchKernels<decltype(head)::value, decltype(swizzle)::value,
+                               decltype(layout)::value>(stream, p);
+        });
+      },
+      cudaErrorInvalidValue);
+}
 
 int DecodeResidentCtasPerSm(int head_size) {
   return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },

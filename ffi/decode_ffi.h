@@ -52,7 +52,21 @@ struct DecodeProblem {
   int32_t num_splits;
   int32_t tokens_per_split;
   PageGeometry page;
+  // Ragged mode, set by ragged_cuda.cu for the one-token sequences of a ragged call (batch =
+  // max_num_seqs): q, out and lse rows are then tokens, [L, num_tokens, Hq]. A sequence b <
+  // num_seqs that owns exactly one query token (jax_nvfp4.reference.ragged_token_plan) is
+  // decoded into that token's rows; every other sequence is left to the ragged kernel. The
+  // split-KV workspace keeps its rows per sequence. nullptr: rows are sequences, [L, B, Hq].
+  const int32_t* cu_q_lens = nullptr;  // [1 or L, B + 1]
+  const int32_t* num_seqs = nullptr;   // [1 or L]
+  int32_t num_tokens = 0;
+  int32_t cu_stacked = 0;
+  int32_t num_seqs_stacked = 0;
 };
+
+// Positions one CTA step of the decode kernel takes (4 warps x 32): a split is a multiple of it
+// (jax_nvfp4/attention_primitive.py, _TOKENS_PER_CTA_STEP).
+inline constexpr int64_t kDecodeSplitStep = 128;
 
 inline ffi::Error DecodeArgumentError(const std::string& message) {
   return ArgumentError("paged_attention", message);
@@ -86,12 +100,11 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
       (len_dims[0] != 1 && len_dims[0] != stacked) || len_dims[1] != batch)
     return DecodeArgumentError("block_tables/seq_lens shapes do not match q");
   const int64_t capacity = table_dims[2] * block_size;
-  if (num_splits < 1 || num_splits > 65535 || tokens_per_split <= 0 ||
-      int64_t(num_splits) * tokens_per_split < capacity ||
-      int64_t(num_splits - 1) * tokens_per_split >= std::max<int64_t>(capacity, 1))
+  if (num_splits > 65535 ||
+      !SplitPlanCovers(num_splits, tokens_per_split, kDecodeSplitStep, capacity))
     return DecodeArgumentError(
-        "num_splits x tokens_per_split must cover the block table, every split starting inside "
-        "it");
+        "num_splits x tokens_per_split (a multiple of 128) must cover the block table, every "
+        "split starting inside it");
   const int64_t partial = num_splits > 1 ? num_splits : 0;
   if (lse->element_count() != size_t(stacked * batch * num_q_heads) ||
       partial_out->element_count() != size_t(stacked * batch * num_q_heads * partial * head_size) ||
@@ -127,6 +140,12 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   p->tokens_per_split = tokens_per_split;
   return ffi::Error::Success();
 }
+
+#if defined(__CUDACC__)
+// The decode kernel (and, with several splits, its merge) on `stream` (decode_cuda.cu); the
+// ragged kernel's handler calls it in ragged mode.
+cudaError_t LaunchDecodeAttention(cudaStream_t stream, const DecodeProblem& p);
+#endif
 
 template <typename Binding>
 auto BindDecode(Binding binding) {

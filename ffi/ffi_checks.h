@@ -90,4 +90,14 @@ inline std::string ReadAttentionOperands(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> 
   return "";
 }
 
+// A split-KV plan of an attention kernel: num_splits splits of tokens_per_split positions (a
+// multiple of `step`, the kernel's CTA step) cover the block table's `capacity` positions, and
+// every split starts inside it (a split that starts past it would read past the table).
+inline bool SplitPlanCovers(int64_t num_splits, int64_t tokens_per_split, int64_t step,
+                            int64_t capacity) {
+  return num_splits >= 1 && tokens_per_split > 0 && tokens_per_split % step == 0 &&
+         num_splits * tokens_per_split >= capacity &&
+         (num_splits - 1) * tokens_per_split < (capacity > 1 ? capacity : 1);
+}
+
 }  // namespace nvfp4

@@ -25,11 +25,13 @@
 // 128): the CTA's 4 warps are one warpgroup, q and P in registers, K and V read from shared
 // memory through descriptors. Other tiles, head size 256 and other GPUs use mma.sync m16n8k16
 // (fp16 in, float32 accumulate; fragments by ldmatrix): a tile of more than 32 rows gives each
-// warp 16 rows and all of a step's positions; a tile of 16 or 32 rows (speculative decoding,
-// decode tokens of a mixed batch) gives each warp a quarter or half of the positions instead
-// (each page is still read once for all of the tile's rows), and the warps' partial results are
-// merged through shared memory at the end. Long contexts with few tiles split across CTAs
-// (split-KV) and a second kernel merges the splits.
+// warp 16 rows and all of a step's positions; a tile of 16 or 32 rows (speculative decoding)
+// gives each warp a quarter or half of the positions instead (each page is still read once for
+// all of the tile's rows), and the warps' partial results are merged through shared memory at
+// the end. Long contexts with few tiles split across CTAs (split-KV) and a second kernel merges
+// the splits. The sequences that own one query token (the decode tokens of a mixed batch) go to
+// the decode kernel (decode_cuda.cu, ragged mode), launched after this one: it reads the pages
+// straight into its MMA fragments, faster for one token than a tile through shared memory.
 //
 // Only the pages a tile needs are read (positions < the end of its last row), page ids are
 // clamped into the cache, positions a row may not see are masked (-inf scores), positions past
@@ -239,12 +241,9 @@ __device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t
 // [start_0, start_ns): the tokens some sequence owns (every lane gets them).
 __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int32_t num_tokens,
                                              int lane, int32_t* first, int32_t* last) {
-  int32_t m = INT_MIN;
-  for (int32_t b = lane; b <= ns; b += 32) m = max(m, __ldg(cu + b));
-#pragma unroll
-  for (int d = 16; d > 0; d /= 2) m = max(m, __shfl_xor_sync(kFullMask, m, d));
+  int32_t unused;
+  sequence_tokens(cu, ns - 1, num_tokens, lane, &unused, last);  // start_ns
   *first = min(max(__ldg(cu), 0), num_tokens);
-  *last = min(max(m, 0), num_tokens);
 }
 
 // What a CTA knows of its launch.
@@ -453,6 +452,14 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
            int32_t(head);
   };
 
+  if (p.decode_splits > 0 && work.q_len == 1) {
+    // The decode kernel, launched after this one, attends for this one-token sequence and
+    // writes its rows; with split-KV the merge below reads them first: empty partial results.
+    if (p.num_splits > 1)
+      for (int r = threadIdx.x; r < rows_here; r += kThreads)
+        write_empty(p, q_row_of(r), split, 0, kHead);
+    return;
+  }
   if (begin >= last_end) {  // nothing to attend to in this split
     for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads)
       write_empty(p, q_row_of(i / kHead), split, i % kHead, kHead);
@@ -858,10 +865,16 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess || p.num_splits == 1) return error;
-  RaggedMergeKernel<kHead>
-      <<<uint32_t(int64_t(p.stacked) * p.num_tokens * p.num_q_heads), kHead, 0, stream>>>(p);
-  return cudaGetLastError();
+  if (error == cudaSuccess && p.num_splits > 1) {
+    RaggedMergeKernel<kHead>
+        <<<uint32_t(int64_t(p.stacked) * p.num_tokens * p.num_q_heads), kHead, 0, stream>>>(p);
+    error = cudaGetLastError();
+  }
+  // The one-token sequences (decode tokens of a mixed batch), on the decode kernel: after the
+  // ragged kernel and its merge, which leave their rows empty.
+  if (error == cudaSuccess && p.decode_splits > 0)
+    error = LaunchDecodeAttention(stream, OneTokenDecodeProblem(p));
+  return error;
 }
 
 
@@ -872,13 +885,16 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
                       ffi::Buffer<ffi::F32> sm_scale, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
                       ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout,
-                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> partial_lse,
+                      ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout,
+                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split,
+                      int32_t decode_splits, int32_t decode_tokens_per_split) {
   RaggedProblem p;
-  ffi::Error error = MakeRaggedProblem(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs,
-                                       k_scale, v_scale, sm_scale, out, lse, partial_out,
-                                       partial_lse, layout, v_scale_swizzle, num_splits,
-                                       tokens_per_split, &p);
+  ffi::Error error = MakeRaggedProblem(
+      q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale, out,
+      lse, partial_out, partial_lse, decode_partial_out, decode_partial_lse, layout,
+      v_scale_swizzle, num_splits, tokens_per_split, decode_splits, decode_tokens_per_split, &p);
   if (error.failure()) return error;
   if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)

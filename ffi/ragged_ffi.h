@@ -6,9 +6,11 @@
 // call; S = max_num_seqs, T = num_tokens): q [L, T, Hq, D] bf16/f16/f32; kv_cache
 // [L, num_blocks, 2, ...] uint8 in either layout; block_tables [1 or L, S, M], seq_lens
 // [1 or L, S], cu_q_lens [1 or L, S + 1], num_seqs [1 or L] int32; k_scale, v_scale, sm_scale
-// float32 [1 or L]. Results: out [L, T, Hq, D] (q's dtype), lse [L, T, Hq] float32, and the
+// float32 [1 or L]. Results: out [L, T, Hq, D] (q's dtype), lse [L, T, Hq] float32, the
 // split-KV workspace partial_out [L, T, Hq, P, D], partial_lse [L, T, Hq, P] float32
-// (P = num_splits, or 0 when num_splits == 1).
+// (P = num_splits, or 0 when num_splits == 1), and that of the decode kernel, which takes the
+// sequences with one query token (decode_splits > 0): decode_partial_out [L, S, Hq, P', D],
+// decode_partial_lse [L, S, Hq, P'] (P' = decode_splits, or 0 when it is 0 or 1).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +18,7 @@
 #include <string>
 #include <utility>
 
+#include "decode_ffi.h"
 #include "ffi_checks.h"
 #include "nvfp4_numerics.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,6 +29,10 @@ namespace ffi = xla::ffi;
 
 // Name of the FFI target; jax_nvfp4/ragged_primitive.py registers the handler under it.
 inline constexpr const char kRaggedTarget[] = "jax_nvfp4_ragged_paged_attention";
+
+// Positions the ragged kernel converts per CTA step: a split is a multiple of it
+// (jax_nvfp4/ragged_primitive.py, KV_TILE).
+inline constexpr int64_t kRaggedSplitStep = 64;
 
 struct RaggedProblem {
   const void* q;
@@ -58,6 +65,12 @@ struct RaggedProblem {
   int32_t num_splits;
   int32_t tokens_per_split;
   PageGeometry page;
+  // The sequences with one query token go to the decode kernel (launched after this one) when
+  // decode_splits > 0, with this split plan and workspace; the ragged kernel skips them.
+  int32_t decode_splits;
+  int32_t decode_tokens_per_split;
+  float* decode_partial_out;
+  float* decode_partial_lse;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {
@@ -71,8 +84,11 @@ inline ffi::Error MakeRaggedProblem(
     ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> sm_scale,
     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
     ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout, bool v_scale_swizzle,
-    int32_t num_splits, int32_t tokens_per_split, RaggedProblem* p) {
+    ffi::Result<ffi::Buffer<ffi::F32>> partial_lse,
+    ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_out,
+    ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout, bool v_scale_swizzle,
+    int32_t num_splits, int32_t tokens_per_split, int32_t decode_splits,
+    int32_t decode_tokens_per_split, RaggedProblem* p) {
   const auto q_dims = q.dimensions();
   const auto cache_dims = kv_cache.dimensions();
   const auto table_dims = block_tables.dimensions();
@@ -96,9 +112,7 @@ inline ffi::Error MakeRaggedProblem(
       !leading_ok(int64_t(num_seqs.element_count())))
     return RaggedArgumentError("block_tables/seq_lens/cu_q_lens/num_seqs shapes do not match");
   const int64_t capacity = table_dims[2] * p->page.block_size;
-  if (num_splits < 1 || tokens_per_split <= 0 || tokens_per_split % 64 != 0 ||
-      int64_t(num_splits) * tokens_per_split < capacity ||
-      int64_t(num_splits - 1) * tokens_per_split >= std::max<int64_t>(capacity, 1))
+  if (!SplitPlanCovers(num_splits, tokens_per_split, kRaggedSplitStep, capacity))
     return RaggedArgumentError(
         "num_splits x tokens_per_split (a multiple of 64) must cover the block table, every "
         "split starting inside it");
@@ -110,8 +124,20 @@ inline ffi::Error MakeRaggedProblem(
       partial_out->element_count() != size_t(rows * partial * head_size) ||
       partial_lse->element_count() != size_t(rows * partial))
     return RaggedArgumentError("result shapes do not match q and num_splits");
+  if (decode_splits < 0 || decode_splits > 65535 ||
+      (decode_splits > 0 && !SplitPlanCovers(decode_splits, decode_tokens_per_split,
+                                             kDecodeSplitStep, capacity)))
+    return RaggedArgumentError(
+        "decode_splits x decode_tokens_per_split (a multiple of 128) must cover the block "
+        "table, every split starting inside it");
+  const int64_t decode_partial = decode_splits > 1 ? decode_splits : 0;
+  const int64_t decode_rows = stacked * max_num_seqs * num_q_heads;
+  if (decode_partial_out->element_count() != size_t(decode_rows * decode_partial * head_size) ||
+      decode_partial_lse->element_count() != size_t(decode_rows * decode_partial))
+    return RaggedArgumentError("decode workspace shapes do not match decode_splits");
   constexpr int64_t kLimit = (int64_t(1) << 31) - 1;
   if (rows * head_size > kLimit || rows * partial * head_size > kLimit ||
+      decode_rows > kLimit || decode_rows * decode_partial * head_size > kLimit ||
       cache_dims[1] > kLimit || capacity > kLimit || max_num_seqs + 1 > kLimit ||
       2 * p->page.side_bytes() > kLimit)
     return RaggedArgumentError("sizes beyond 2^31");
@@ -144,7 +170,48 @@ inline ffi::Error MakeRaggedProblem(
   p->sm_scale_stacked = sm_scale.element_count() > 1;
   p->num_splits = num_splits;
   p->tokens_per_split = tokens_per_split;
+  p->decode_splits = decode_splits;
+  p->decode_tokens_per_split = decode_tokens_per_split;
+  p->decode_partial_out = decode_partial_out->typed_data();
+  p->decode_partial_lse = decode_partial_lse->typed_data();
   return ffi::Error::Success();
+}
+
+// The decode kernel's problem in ragged mode for the one-token sequences of `p`
+// (p.decode_splits > 0): the same operands, the sequences as its batch.
+inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
+  DecodeProblem d;
+  d.q = p.q;
+  d.kv_cache = p.kv_cache;
+  d.block_tables = p.block_tables;
+  d.seq_lens = p.seq_lens;
+  d.k_scale = p.k_scale;
+  d.v_scale = p.v_scale;
+  d.sm_scale = p.sm_scale;
+  d.out = p.out;
+  d.lse = p.lse;
+  d.partial_out = p.decode_partial_out;
+  d.partial_lse = p.decode_partial_lse;
+  d.q_type = p.q_type;
+  d.stacked = p.stacked;
+  d.batch = p.max_num_seqs;
+  d.num_q_heads = p.num_q_heads;
+  d.num_blocks = p.num_blocks;
+  d.max_blocks = p.max_blocks;
+  d.tables_stacked = p.tables_stacked;
+  d.lens_stacked = p.lens_stacked;
+  d.k_scale_stacked = p.k_scale_stacked;
+  d.v_scale_stacked = p.v_scale_stacked;
+  d.sm_scale_stacked = p.sm_scale_stacked;
+  d.num_splits = p.decode_splits;
+  d.tokens_per_split = p.decode_tokens_per_split;
+  d.page = p.page;
+  d.cu_q_lens = p.cu_q_lens;
+  d.num_seqs = p.num_seqs;
+  d.num_tokens = p.num_tokens;
+  d.cu_stacked = p.cu_stacked;
+  d.num_seqs_stacked = p.num_seqs_stacked;
+  return d;
 }
 
 template <typename Binding>
@@ -163,10 +230,14 @@ auto BindRagged(Binding binding) {
       .template Ret<ffi::Buffer<ffi::F32>>()    // lse
       .template Ret<ffi::Buffer<ffi::F32>>()    // partial_out (split-KV workspace)
       .template Ret<ffi::Buffer<ffi::F32>>()    // partial_lse
+      .template Ret<ffi::Buffer<ffi::F32>>()    // decode_partial_out (the decode kernel's)
+      .template Ret<ffi::Buffer<ffi::F32>>()    // decode_partial_lse
       .template Attr<int32_t>("layout")
       .template Attr<bool>("v_scale_swizzle")
       .template Attr<int32_t>("num_splits")
-      .template Attr<int32_t>("tokens_per_split");
+      .template Attr<int32_t>("tokens_per_split")
+      .template Attr<int32_t>("decode_splits")
+      .template Attr<int32_t>("decode_tokens_per_split");
 }
 
 }  // namespace nvfp4

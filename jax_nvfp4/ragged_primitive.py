@@ -15,7 +15,10 @@ num_q_heads] float32)``.
 
 Lowering: on CUDA the kernel of ``ffi/ragged_cuda.cu`` (FFI target
 ``jax_nvfp4_ragged_paged_attention``) for head sizes 64, 128 and 256; elsewhere, and for other
-head sizes, the jnp path (:func:`jax_nvfp4.reference.ragged_paged_attention`). Under a
+head sizes, the jnp path (:func:`jax_nvfp4.reference.ragged_paged_attention`). The same FFI
+call runs the decode kernel of ``ffi/decode_cuda.cu`` for the sequences that own one query token
+(:func:`plan_one_token_splits`), so a mixed batch's decode tokens cost what they cost in a
+decode step. Under a
 multi-device ``jit`` the kernel call is wrapped in custom partitioning: the stacked axis splits
 with no communication, every other axis is replicated (the token axis cannot split on its own:
 a sequence's query tokens and its pages go together). The cache is only read.
@@ -155,20 +158,41 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     return splits, per_split
 
 
+def plan_one_token_splits(stacked: int, max_num_seqs: int, num_kv_heads: int, num_q_heads: int,
+                          head_size: int, max_tokens: int) -> tuple[int, int]:
+    """Split-KV plan ``(decode_splits, tokens_per_split)`` of the decode kernel for the
+    sequences of a ragged call that own one query token (the decode tokens of a mixed batch,
+    or every sequence of a decode step called through ragged attention): the decode reader's
+    own plan for a batch of ``max_num_seqs``, so one token per sequence is that reader's launch
+    exactly. ``(0, 0)`` (no decode launch) when there is no sequence."""
+    if max_num_seqs == 0:
+        return 0, 0
+    return _decode.plan_splits(stacked, max_num_seqs, num_kv_heads, num_q_heads, max_tokens,
+                               _decode._sm_count(), _decode._resident_ctas(head_size))
+
+
 def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
                  sm_scale, layout, v_scale_swizzle):
     """The FFI call on whatever (per-device) shapes it gets."""
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
     stacked, num_tokens, num_q_heads, head_size = q.shape
     max_num_seqs, max_blocks = block_tables.shape[1:]
+    max_tokens = max_blocks * geo.block_size
     splits, tokens_per_split = plan_splits(
-        stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size,
-        max_blocks * geo.block_size, _decode._sm_count(), _resident_ctas(head_size))
-    call = jax.ffi.ffi_call(RAGGED_TARGET, _decode.split_kv_results(q, splits))
-    out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
-                          v_scale, sm_scale, layout=np.int32(_layout.LAYOUTS.index(layout)),
-                          v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
-                          tokens_per_split=np.int32(tokens_per_split))
+        stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
+        _decode._sm_count(), _resident_ctas(head_size))
+    # The sequences that own one query token go to the decode kernel (launched by the same
+    # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences.
+    decode_splits, decode_per_split = plan_one_token_splits(
+        stacked, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens)
+    by_sequence = jax.ShapeDtypeStruct((stacked, max_num_seqs, num_q_heads, head_size), q.dtype)
+    results = (_decode.split_kv_results(q, splits) +
+               _decode.split_kv_results(by_sequence, decode_splits)[2:])
+    out, lse, *_ = jax.ffi.ffi_call(RAGGED_TARGET, results)(
+        q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
+        layout=np.int32(_layout.LAYOUTS.index(layout)), v_scale_swizzle=bool(v_scale_swizzle),
+        num_splits=np.int32(splits), tokens_per_split=np.int32(tokens_per_split),
+        decode_splits=np.int32(decode_splits), decode_tokens_per_split=np.int32(decode_per_split))
     return out, lse
 
 
@@ -304,4 +328,4 @@ def partitioned(body):
 
 
 __all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "kernel_supports",
-           "plan_splits", "ragged_p", "tile_slots"]
+           "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]

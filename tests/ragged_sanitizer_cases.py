@@ -1,7 +1,8 @@
 """The ragged-attention kernel's cases for compute-sanitizer (a script, not a pytest module): every
 code path once and small (head sizes 64/128/256, both layouts, both V-scale orders, block sizes
 8..32, GQA 1/4, tiles of 4 to 64 rows on mma.sync and wgmma, a split-KV plan with its merge, the
-zero fill of unowned tokens, a sequence with more queries than cached tokens), each checked
+zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token sequences on the decode kernel),
+each checked
 against the jnp path run on the CPU. On a GPU machine, from the repository root (TESTING.md has
 the environment the sanitizers need):
 
@@ -21,6 +22,8 @@ cases = [
     (3, ((200, 70), (30, 30)), 256, "HND", True, 8, 1, 8),
     (4, ((3000, 4),), 128, "NHD", True, 16, 2, 8),          # split-KV + merge
     (5, ((129, 130), (64, 1)), 64, "HND", True, 32, 1, 1),  # q_len > kv_len, GQA 1
+    # one-token sequences on the decode kernel, both kernels split-KV with their merges
+    (6, ((3000, 4), (2500, 1), (40, 1), (0, 1)), 128, "HND", True, 16, 2, 8),
 ]
 worst = 0.0
 for seed, seqs, d, layout, swz, bs, kv, hq in cases:

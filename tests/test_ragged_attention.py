@@ -382,6 +382,18 @@ def test_plan_splits():
         assert (splits - 1) * per < max(tokens, 1) and per % rp.KV_TILE == 0
 
 
+def test_plan_one_token_splits_is_the_decode_readers_plan():
+    """The one-token sequences of a ragged call are planned as the decode reader plans a batch
+    of max_num_seqs (so one token per sequence is that reader's launch); no sequence, no
+    launch."""
+    from jax_nvfp4 import attention_primitive as ap
+    for stacked, seqs, kv, hq, tokens in ((1, 32, 8, 32, 8192), (1, 1, 8, 32, 32768),
+                                          (2, 16, 2, 8, 1000)):
+        assert rp.plan_one_token_splits(stacked, seqs, kv, hq, 128, tokens) == ap.plan_splits(
+            stacked, seqs, kv, hq, tokens, ap._sm_count(), ap._resident_ctas(128))
+    assert rp.plan_one_token_splits(1, 0, 8, 32, 128, 8192) == (0, 0)
+
+
 # =============================================================================== GPU
 
 
@@ -481,8 +493,23 @@ def test_gpu_one_token_per_sequence_matches_the_decode_kernel(head_size):
     dec, dec_lse = paged_attention_jit(*jax.device_put((q, case.cache, tables, lens,
                                                         case.k_scale, case.v_scale), gpu),
                                        return_lse=True, impl="kernel")
-    assert_out_close(jax.device_get(out), jax.device_get(dec), q.dtype, roundings=2)
-    assert_lse_close(jax.device_get(lse), jax.device_get(dec_lse), 2 * KERNEL_LSE_ABS)
+    # The one-token sequences run on the decode kernel with the decode reader's plan: the
+    # same launch, the same bits.
+    np.testing.assert_array_equal(jax.device_get(out), jax.device_get(dec))
+    np.testing.assert_array_equal(jax.device_get(lse), jax.device_get(dec_lse))
+
+
+@pytest.mark.gpu
+def test_gpu_mixed_batch_with_split_kv_on_both_kernels():
+    """Drafts and decode tokens over long contexts: the ragged kernel and the decode kernel
+    (which takes the one-token sequences) both split; the ragged merge leaves the one-token
+    rows to the decode kernel, which writes them after it."""
+    seqs = ((6000, 4), (5000, 1), (0, 1), (4100, 1), (300, 2))
+    case = shared_case(43, seqs, head_size=128, pad_tokens=2)
+    tables = len(case.tables)
+    assert rp.plan_splits(1, case.num_tokens, tables, 2, 8, 128, case.capacity, 132, 2)[0] > 1
+    assert rp.plan_one_token_splits(1, tables, 2, 8, 128, case.capacity)[0] > 1
+    assert_kernel_matches_jnp(case, case.query(8, jnp.bfloat16, seed=5), "ragged_mixed_split")
 
 
 @pytest.mark.gpu
