@@ -1,8 +1,9 @@
-// CUDA helpers shared by the kernels (store_cuda.cu, decode_cuda.cu).
+// CUDA helpers shared by the kernels (store, decode and ragged attention).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -41,6 +42,25 @@ inline xla::ffi::Error CudaError(const char* operation, const char* what, cudaEr
   return xla::ffi::Error(xla::ffi::ErrorCode::kInternal, std::string("jax_nvfp4 ") + operation +
                                                              ": " + what + ": " +
                                                              cudaGetErrorString(error));
+}
+
+// Sets a kernel's function attributes once per device (they belong to the device's module, and
+// setting them on every launch would cost two driver calls a step): `bytes` of dynamic shared
+// memory (more than the default 48 KB) and all of L1 as shared memory where possible.
+template <auto kKernel>
+cudaError_t ConfigureSharedMemory(int bytes) {
+  static std::atomic<uint64_t> configured{0};  // a bit per device (devices 64+: every time)
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (configured.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  error = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error == cudaSuccess)
+    error = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+  if (error == cudaSuccess) configured.fetch_or(bit, std::memory_order_release);
+  return error;
 }
 
 }  // namespace nvfp4

@@ -49,6 +49,7 @@
 #include "attention_device.cuh"
 #include "cuda_common.cuh"
 #include "handlers.h"
+#include "ragged_device.cuh"
 #include "ragged_ffi.h"
 #include "wgmma.cuh"
 
@@ -120,21 +121,6 @@ __device__ __forceinline__ int kv_chunk(int p, int c) {
   return (c >> 3) * RaggedShape<kHead>::kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
 }
 
-// ------------------------------------------------------------------------------------------
-// Shared-memory fragment loads.
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
-}
-
 // Asynchronous global -> shared copies (cp.async), zero-filled without reading when !valid.
 template <int kBytes>
 __device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
@@ -177,9 +163,6 @@ __device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, fl
   }
 }
 
-// Head dimension of position p (0..7) of a converted group of 8 (e2m1x8_to_f16x2's order:
-// dims 0, 4, 2, 6, 1, 5, 3, 7); position 2c + 1 holds dimension kPermutedDim(2c) + 4.
-__device__ __forceinline__ int permuted_dim_even(int c) { return ((c & 1) << 1) | (c >> 1); }
 
 // ------------------------------------------------------------------------------------------
 // The tile a CTA works on.
@@ -253,18 +236,6 @@ struct RaggedGrid {
   FastDivmod group;       // query heads per kv head
   FastDivmod block_size;
 };
-
-// Writes the result of a query row that attends to nothing in this split: zeros and -inf (one
-// split) or an empty partial result (the merge then skips it).
-__device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row, int split,
-                                            int d, int head_size) {
-  if (p.num_splits == 1) {
-    store_out(p.out, p.q_type, row * head_size + d, 0.f);
-    if (d == 0) p.lse[row] = -INFINITY;
-  } else if (d == 0) {
-    p.partial_lse[row * p.num_splits + split] = -INFINITY;
-  }
-}
 
 // ------------------------------------------------------------------------------------------
 // One thread's (position, side, part) of a step: copied from the pages into a ring stage, then
@@ -452,6 +423,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
            int32_t(head);
   };
 
+  // The few-row kernel (ragged_few_rows.cu) takes speculative decoding's sequences.
+  if (takes_few_rows(work.q_len, group, kHead)) return;
   if (p.decode_splits > 0 && work.q_len == 1) {
     // The decode kernel, launched after this one, attends for this one-token sequence and
     // writes its rows; with split-KV the merge below reads them first: empty partial results.
@@ -831,25 +804,12 @@ int64_t TileSlots(const RaggedProblem& p) {
 }
 int64_t FillSlots(const RaggedProblem& p) { return (int64_t(p.num_tokens) + 63) / 64; }
 
-// The kernel's function attributes, once per device (they belong to the device's module, and
-// setting them on every launch would cost two driver calls a step): more than 48 KB of dynamic
-// shared memory, and all of L1 as shared memory where possible (two CTAs of ~100 KB per SM).
+// More than 48 KB of dynamic shared memory, and all of L1 as shared memory (two CTAs of ~100 KB
+// per SM).
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t Configure() {
-  static std::atomic<uint64_t> configured{0};  // a bit per device (devices 64+: every time)
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit && (configured.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               RaggedShape<kHead>::kSmemBytes);
-  if (error == cudaSuccess)
-    error = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-  if (error == cudaSuccess) configured.fetch_or(bit, std::memory_order_release);
-  return error;
+  return ConfigureSharedMemory<RaggedKernel<kHead, kSwizzle, kLayout>>(
+      RaggedShape<kHead>::kSmemBytes);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -865,6 +825,7 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
+  if (error == cudaSuccess) error = LaunchFewRows(stream, p);
   if (error == cudaSuccess && p.num_splits > 1) {
     RaggedMergeKernel<kHead>
         <<<uint32_t(int64_t(p.stacked) * p.num_tokens * p.num_q_heads), kHead, 0, stream>>>(p);

@@ -214,6 +214,13 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
   return d;
 }
 
+#if defined(__CUDACC__)
+// The few-row kernel for the sequences it takes (ragged_few_rows.cu, takes_few_rows), writing
+// their rows of out and lse or, with several splits, of the split-KV workspace; the ragged
+// kernel's handler launches it after the ragged kernel and before the merge.
+cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p);
+#endif
+
 template <typename Binding>
 auto BindRagged(Binding binding) {
   return std::move(binding)

@@ -50,7 +50,8 @@ _TOKENS_PER_CTA_STEP = 128      # one step of a CTA: 4 warps x 32 positions (ffi
 _MIN_TOKENS_PER_SPLIT = 256     # shorter splits cost more in partial results than they gain
 _MAX_SPLITS = 256
 _CTA_START_COST = 128           # a CTA's start (q, setup, merge of its warps), in positions
-_MERGE_COST = 256               # the merge kernel, in positions of one wave
+_MERGE_COST = 256               # the merge kernel, in positions per wave of its blocks
+_MERGE_ROWS_PER_SM = 16         # merge blocks (one per row, 128 threads) an SM holds at once
 _DEFAULT_CTAS_PER_SM = 3        # when the GPU cannot be asked (ffi/decode_cuda.cu, kMinCtasPerSm)
 
 if _ffi.built_with_cuda():
@@ -187,29 +188,34 @@ def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
     """
     group = num_q_heads // num_kv_heads
     units = stacked * batch * num_kv_heads * -(-group // 8)
-    return plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm, _TOKENS_PER_CTA_STEP)
+    return plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm, _TOKENS_PER_CTA_STEP,
+                                 merge_rows=stacked * batch * num_q_heads)
 
 
 def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_sm: int,
-                          step: int) -> tuple[int, int]:
+                          step: int, *, merge_rows: int) -> tuple[int, int]:
     """The split-KV plan of ``units`` CTAs' worth of work over up to ``max_tokens`` positions
     each: ``(num_splits, tokens_per_split)``, ``tokens_per_split`` a multiple of ``step``.
 
     Picks the number of splits that minimises the modelled time: whole waves of ``sm_count *
     ctas_per_sm`` CTAs, each as long as its split plus a start cost, plus the merge when there
     are several splits. This fills the GPU at batch 1 and long context as at large batch and
-    short context, and avoids a nearly empty last wave. At most one split per 256 positions,
-    and at most 256 splits.
+    short context, and avoids a nearly empty last wave. The merge costs a wave per
+    ``sm_count * 16`` of its ``merge_rows`` output rows (a block per row whose dependent loads
+    take about as long whatever it merges): many rows (a ragged call's prefill chunks) split
+    only where the splits gain more than that. At most one split per 256 positions, and at
+    most 256 splits.
     """
     slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)
+    merge = _MERGE_COST * max(-(-merge_rows // max(sm_count * _MERGE_ROWS_PER_SM, 1)), 1)
     best = None
     for wanted in range(1, max(1, min(_MAX_SPLITS, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))) + 1):
         per_split = -(-max_tokens // wanted)
         per_split = -(-per_split // step) * step
         splits = -(-max_tokens // per_split)
         waves = -(-(units * splits) // slots)
-        cost = waves * (per_split + _CTA_START_COST) + (_MERGE_COST if splits > 1 else 0)
+        cost = waves * (per_split + _CTA_START_COST) + (merge if splits > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, splits, per_split)
     return best[1], best[2]

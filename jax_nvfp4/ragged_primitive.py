@@ -147,8 +147,9 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     """
     group = num_q_heads // num_kv_heads
     units = stacked * num_kv_heads * max(tile_slots(num_tokens, max_num_seqs, group), 1)
-    splits, per_split = _decode.plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm,
-                                                      KV_TILE)
+    splits, per_split = _decode.plan_splits_for_units(
+        units, max_tokens, sm_count, ctas_per_sm, KV_TILE,
+        merge_rows=stacked * num_tokens * num_q_heads)
     row_bytes = stacked * num_tokens * num_q_heads * head_size * 4   # one split's workspace
     most = max(min(MAX_WORKSPACE_BYTES // max(row_bytes, 1), MAX_GRID_Z // max(stacked, 1)), 1)
     if splits > most:   # fewer, longer splits (a multiple of KV_TILE, each starting inside)

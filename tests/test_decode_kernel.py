@@ -484,17 +484,19 @@ def test_cpu_grouped_return_lse_equals_plain(layout, groups):
 
 #: The benchmark's shapes: (batch, context), 8 kv / 32 q heads, page 16, 132 SMs x 3 CTAs
 #: (H200, head size 128) = 396 slots, with the plans of the cost model (whole waves of
-#: split + 128 positions, + 256 for the merge). By hand for two: (1, 131072): 8 CTAs per
-#: split; 49 splits of ceil(131072/49) = 2675 -> 2688 positions fill one wave (392 CTAs),
-#: cost 2688 + 128 + 256 = 3072, while 64 splits of 2048 need two waves (cost 4608).
+#: split + 128 positions, + 256 per wave of 2112 merged rows). By hand for three: (1, 131072):
+#: 8 CTAs per split; 49 splits of ceil(131072/49) = 2675 -> 2688 positions fill one wave (392
+#: CTAs), cost 2688 + 128 + 256 = 3072, while 64 splits of 2048 need two waves (cost 4608).
 #: (128, 1024): 1024 CTAs already need 3 waves; splitting only adds waves: one split.
+#: (128, 4096): 4096 rows to merge are two merge waves (512), so 3 splits (8 waves x 1536 +
+#: 512 = 12800) lose to one (3 waves x 4224 = 12672).
 BENCHMARK_PLANS = {
     (1, 131072): (49, 2688),
     (8, 32768): (6, 5504),
     (32, 8192): (3, 2816),
     (32, 32768): (3, 11008),
     (128, 1024): (1, 1024),
-    (128, 4096): (3, 1408),
+    (128, 4096): (1, 4096),
 }
 
 

@@ -1,0 +1,57 @@
+// Device code shared by the two kernels of ragged paged attention (ragged_cuda.cu: query tiles
+// through shared memory, any number of rows; ragged_few_rows.cu: the sequences of a few query
+// rows, speculative decoding): which sequences the few-row kernel takes, fragment loads from
+// shared memory, the order of converted head dims, and the result of a row that sees nothing.
+#pragma once
+
+#include <cstdint>
+
+#include "attention_device.cuh"
+#include "ragged_ffi.h"
+#include "wgmma.cuh"
+
+namespace nvfp4 {
+namespace {
+
+// The few-row kernel takes the sequences of 2 or more query tokens whose query rows per kv
+// head (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to 128;
+// the ragged kernel skips them (and the decode kernel takes those of one token).
+constexpr int32_t kFewRows = 32;
+__host__ __device__ __forceinline__ bool takes_few_rows(int32_t q_len, int32_t group,
+                                                        int64_t head_size) {
+  return head_size <= 128 && q_len >= 2 && q_len <= kFewRows / group;
+}
+
+// ------------------------------------------------------------------------------------------
+// Shared-memory fragment loads.
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// Head dimension of position p (0..7) of a converted group of 8 (e2m1x8_to_f16x2's order:
+// dims 0, 4, 2, 6, 1, 5, 3, 7); position 2c + 1 holds dimension kPermutedDim(2c) + 4.
+__device__ __forceinline__ int permuted_dim_even(int c) { return ((c & 1) << 1) | (c >> 1); }
+
+// Writes the result of a query row that attends to nothing in this split: zeros and -inf (one
+// split) or an empty partial result (the merge then skips it).
+__device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row, int split,
+                                            int d, int head_size) {
+  if (p.num_splits == 1) {
+    store_out(p.out, p.q_type, row * head_size + d, 0.f);
+    if (d == 0) p.lse[row] = -INFINITY;
+  } else if (d == 0) {
+    p.partial_lse[row * p.num_splits + split] = -INFINITY;
+  }
+}
+
+}  // namespace
+}  // namespace nvfp4
