@@ -104,12 +104,17 @@ struct FewGrid {
   FastDivmod block_size;
 };
 
-template <int kHead, bool kSwizzle, Layout kLayout>
-__global__ void __launch_bounds__(kThreads, 3)
-    FewRowsKernel(const RaggedProblem p, const FewGrid grid) {
+// The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
+// count, so that no loop over the rows branches).
+template <int kHead, bool kSwizzle, Layout kLayout, int kNT>
+__device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const FewGrid& grid,
+                                                int32_t b, int32_t kv_head, int32_t member,
+                                                int32_t split, int32_t start, int32_t q_len) {
   using S = Shape<kHead>;
   using F = FewShape<kHead>;
+  static_assert(kNT >= 1 && kNT <= kNTiles, "n-tiles");
   extern __shared__ __align__(1024) uint8_t smem[];
+
   uint8_t* v_smem = smem;
   uint8_t* p_smem = smem + F::kVBytes;
   uint4* q_smem = reinterpret_cast<uint4*>(smem + F::kVBytes + F::kPBytes);
@@ -120,22 +125,9 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
-  uint32_t head;
-  const int32_t b = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
-  const int32_t kv_head = int32_t(head);
-  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
   const int32_t max_num_seqs = p.max_num_seqs;
-  const int32_t ns =
-      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
-  if (b >= ns) return;
-  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
-  int32_t start, next;
-  sequence_tokens(cu, b, p.num_tokens, lane, &start, &next);
-  const int32_t q_len = next - start;
   const int32_t group = int32_t(grid.group.divisor);
-  if (!takes_few_rows(q_len, group, kHead)) return;  // (CTA-uniform) another kernel's sequence
   const int rows = q_len * group;
-  const int n_tiles = (rows + 7) / 8;
 
   const int32_t block_size = int32_t(grid.block_size.divisor);
   const int32_t capacity = p.max_blocks * block_size;
@@ -166,7 +158,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // q^T as B fragments, warp w building n-tile w: lane (g, q) holds row 8 w + g, dims
   // q D/4 .. q D/4 + D/4 - 1, scaled by 2^e into fp16, in the order of the K fragments (the
   // decode kernel's packing); the row's end and score scale beside it.
-  if (warp < n_tiles) {
+  if (warp < kNT) {
     constexpr int kDims = kHead / 4;
     const int r = 8 * warp + g;
     const bool valid = r < rows;
@@ -232,10 +224,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Steps below the first row's end need no mask (every later row sees more).
   const int32_t min_end = row_end[0];
 
-  float m[kNTiles][2], l[kNTiles][2];
-  float o[F::kOTiles][kNTiles][4];
+  float m[kNT][2], l[kNT][2];
+  float o[F::kOTiles][kNT][4];
 #pragma unroll
-  for (int t = 0; t < kNTiles; ++t) {
+  for (int t = 0; t < kNT; ++t) {
     m[t][0] = m[t][1] = -INFINITY;
     l[t][0] = l[t][1] = 0.f;
 #pragma unroll
@@ -253,11 +245,11 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     // S^T for this warp's 32 positions and the tile's rows: s[tile][t][k] is position
     // 16 tile + g (k < 2) or + 8 (k >= 2), row 8 t + 2 q + (k & 1).
-    float s[S::kTiles][kNTiles][4];
+    float s[S::kTiles][kNT][4];
 #pragma unroll
     for (int tile = 0; tile < S::kTiles; ++tile)
 #pragma unroll
-      for (int t = 0; t < kNTiles; ++t)
+      for (int t = 0; t < kNT; ++t)
 #pragma unroll
         for (int k = 0; k < 4; ++k) s[tile][t][k] = 0.f;
     // (tile by tile: the q fragments are read from shared memory twice, which costs fewer
@@ -271,8 +263,7 @@ __global__ void __launch_bounds__(kThreads, 3)
         uint32_t a0[4], a1[4];
         k_word_fragments<kHead>(c, tile, w, scale_words, a0, a1);
 #pragma unroll
-        for (int t = 0; t < kNTiles; ++t) {
-          if (t >= n_tiles) break;
+        for (int t = 0; t < kNT; ++t) {
           const uint4 qf = q_smem[(t * S::kKWords + w) * 32 + lane];
           mma_16816(s[tile][t], a0, qf.x, qf.y);
           mma_16816(s[tile][t], a1, qf.z, qf.w);
@@ -283,10 +274,9 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     // Scores in log2 units, masked past each row's end; the warp's max per row.
     const bool masked = int32_t(base) + S::kChunk > min_end;
-    float top[kNTiles][2];
+    float top[kNT][2];
 #pragma unroll
-    for (int t = 0; t < kNTiles; ++t) {
-      if (t >= n_tiles) break;
+    for (int t = 0; t < kNT; ++t) {
       // The lane's rows 8 t + 2 q (h = 0) and + 1 (h = 1): their score scales (from shared
       // memory each step: registers are short) and ends.
       const float2 score_scale = *reinterpret_cast<const float2*>(row_scale + 8 * t + 2 * qd);
@@ -318,8 +308,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
     // The CTA's max per row (the same in every warp), P = 2^(s - max) into shared memory.
 #pragma unroll
-    for (int t = 0; t < kNTiles; ++t) {
-      if (t >= n_tiles) break;
+    for (int t = 0; t < kNT; ++t) {
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) {
         const float2 other =
@@ -372,15 +361,14 @@ __global__ void __launch_bounds__(kThreads, 3)
                                                           F::kWarpDims / 8 * warp + 2 * mt +
                                                               ((lane >> 3) & 1)));
 #pragma unroll
-      for (int t = 0; t < kNTiles; t += 2) {
-        if (t >= n_tiles) break;
-        uint32_t bf[4];
+      for (int t = 0; t < kNT; t += 2) {
+          uint32_t bf[4];
         ldmatrix_x4_trans(bf, p_smem + (16 * kk + (lane & 7) + ((lane >> 3) & 1) * 8) * F::kPStride +
                                   (8 * (t + (lane >> 4))) * 2);
 #pragma unroll
         for (int mt = 0; mt < F::kOTiles; ++mt) {
           mma_16816(o[mt][t], a[mt], bf[0], bf[1]);
-          if (t + 1 < n_tiles) mma_16816(o[mt][t + 1], a[mt], bf[2], bf[3]);
+          if (t + 1 < kNT) mma_16816(o[mt][t + 1], a[mt], bf[2], bf[3]);
         }
       }
     }
@@ -388,8 +376,7 @@ __global__ void __launch_bounds__(kThreads, 3)
 
   // Row sums: over the lanes of a row, then over the warps (which all used the same max).
 #pragma unroll
-  for (int t = 0; t < kNTiles; ++t) {
-    if (t >= n_tiles) break;
+  for (int t = 0; t < kNT; ++t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -403,8 +390,7 @@ __global__ void __launch_bounds__(kThreads, 3)
   // Each warp writes its head dims of every row (dims in true order: see permuted_dim_even).
   const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
 #pragma unroll
-  for (int t = 0; t < kNTiles; ++t) {
-    if (t >= n_tiles) break;
+  for (int t = 0; t < kNT; ++t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = 8 * t + 2 * qd + h;
@@ -435,6 +421,37 @@ __global__ void __launch_bounds__(kThreads, 3)
           }
         }
     }
+  }
+}
+
+template <int kHead, bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kThreads, 3)
+    FewRowsKernel(const RaggedProblem p, const FewGrid grid) {
+  const int lane = threadIdx.x & 31;
+  uint32_t head;
+  const int32_t b = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
+  const int32_t kv_head = int32_t(head);
+  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
+  const int32_t max_num_seqs = p.max_num_seqs;
+  const int32_t ns =
+      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
+  if (b >= ns) return;
+  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
+  int32_t start, next;
+  sequence_tokens(cu, b, p.num_tokens, lane, &start, &next);
+  const int32_t q_len = next - start;
+  const int32_t group = int32_t(grid.group.divisor);
+  if (!takes_few_rows(q_len, group, kHead)) return;  // (CTA-uniform) another kernel's sequence
+  switch ((q_len * group + 7) / 8) {  // n-tiles: 1, 2, or 3 and 4 (as 4)
+    case 1:
+      return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
+                                                          start, q_len);
+    case 2:
+      return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
+                                                          start, q_len);
+    default:
+      return attend_few_rows<kHead, kSwizzle, kLayout, 4>(p, grid, b, kv_head, member, split,
+                                                          start, q_len);
   }
 }
 
