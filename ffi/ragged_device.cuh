@@ -15,8 +15,10 @@ namespace {
 
 // The few-row kernel takes the sequences of 2 or more query tokens whose query rows per kv
 // head (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to 128;
-// the ragged kernel skips them (and the decode kernel takes those of one token).
-constexpr int32_t kFewRows = 32;
+// the ragged kernel skips them (and the decode kernel takes those of one token). 16, not 32:
+// with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192 where the
+// ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
+constexpr int32_t kFewRows = 16;
 __host__ __device__ __forceinline__ bool takes_few_rows(int32_t q_len, int32_t group,
                                                         int64_t head_size) {
   return head_size <= 128 && q_len >= 2 && q_len <= kFewRows / group;

@@ -1,5 +1,5 @@
 // Ragged paged attention for the sequences of a few query rows (speculative decoding: 2 to 8
-// draft tokens x the GQA group, at most kFewRows = 32 rows per kv head; head sizes 64 and
+// draft tokens x the GQA group, at most kFewRows = 16 rows per kv head; head sizes 64 and
 // 128), launched with the ragged kernel by its handler (ragged_cuda.cu), which skips them.
 //
 // Why a kernel of its own: such a tile is memory-bound, and the ragged kernel's path through
@@ -7,14 +7,14 @@
 // per SM) spent ~6.6 instructions per K/V value where the decode kernel spends 3.7
 // (benchmarks/NOTES.md). Here, as in the decode kernel, each warp reads its chunk of 32
 // positions straight into registers (page_chunks.cuh) and turns K into the A fragments of
-//   S^T = K Q^T   positions in M (16 per tile), head dims in K, the query rows in N (<= 32),
+//   S^T = K Q^T   positions in M (16 per tile), head dims in K, the query rows in N (<= 16),
 // so K never goes through shared memory. Each page is read once for all of the sequence's rows.
 // The warps then agree on each row's running max (one exchange through shared memory per step
 // of 4 x 32 positions), write P (fp16) and their V (fp16) to shared memory, and after one
 // barrier each warp accumulates the step's 128 positions for its quarter of the head dims:
 //   O^T += V^T P^T   head dims in M (kHead / 4 per warp), positions in K, rows in N,
-// so the O accumulators of 32 rows are spread over the CTA's registers (32 per thread at head
-// size 128) instead of needing 128 in each warp. Every warp works with the same max, so the
+// so the O accumulators of the rows are spread over the CTA's registers (16 per thread at head
+// size 128) instead of needing 64 in each warp. Every warp works with the same max, so the
 // row sums of the warps simply add at the end.
 //
 // Numbers as in attention_device.cuh (q to fp16 after a power-of-two scale per row, K and V
@@ -442,17 +442,10 @@ __global__ void __launch_bounds__(kThreads, 3)
   const int32_t q_len = next - start;
   const int32_t group = int32_t(grid.group.divisor);
   if (!takes_few_rows(q_len, group, kHead)) return;  // (CTA-uniform) another kernel's sequence
-  switch ((q_len * group + 7) / 8) {  // n-tiles: 1, 2, or 3 and 4 (as 4)
-    case 1:
-      return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
-                                                          start, q_len);
-    case 2:
-      return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
-                                                          start, q_len);
-    default:
-      return attend_few_rows<kHead, kSwizzle, kLayout, 4>(p, grid, b, kv_head, member, split,
-                                                          start, q_len);
-  }
+  if (q_len * group <= 8)  // one n-tile, or two
+    return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
+                                                        start, q_len);
+  attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split, start, q_len);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>

@@ -56,7 +56,7 @@ KV_TILE = 64
 _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
 #: takes (ffi/ragged_device.cuh, kFewRows), and its CTAs per SM (its launch bounds).
-FEW_ROWS = 32
+FEW_ROWS = 16
 _FEW_ROWS_CTAS_PER_SM = 3
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
