@@ -344,8 +344,9 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     ``seq_lens[b] - q_len_b + j`` and attends causally to the positions up to and including its
     own (position ``t`` in page ``block_tables[b, t // block_size]``, row ``t % block_size``).
     One query token per sequence (``cu_q_lens = arange(batch + 1)``) is decode attention: the
-    results equal :func:`paged_attention`'s (the jnp paths bit for bit, the kernels within their
-    measured bounds).
+    results equal :func:`paged_attention`'s (the jnp paths bit for bit; on a GPU the one-token
+    sequences run on the decode kernel itself, bit for bit with the same ``block_tables`` rows,
+    which set its split plan).
 
     ``num_seqs`` is a device scalar: the batch can change without recompiling, as can
     ``cu_q_lens`` and ``seq_lens``. The static shapes are ``num_tokens`` (pad it to a bucket),
@@ -367,12 +368,16 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     also reach the earlier query rows of the same tile (their weight for it is 0, and 0 x NaN is
     NaN), where the jnp path keeps them finite.
 
-    On a GPU (``impl="auto"``) this is one CUDA kernel for head sizes 64, 128 and 256 (plus a
-    merge when long contexts are split across CTAs): a CTA takes up to 64 query rows (the
-    query tokens x query heads of one kv head) of one sequence and reads each page it needs
-    once for all of them, turning the FP4 codes into fp16 in shared memory (exact) for the
-    tensor cores (wgmma on sm_90a for tiles of more than 32 rows, mma.sync otherwise; float32
-    accumulation, float32 online softmax, q and P rounded to fp16 as in the decode kernel). Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
+    On a GPU (``impl="auto"``), for head sizes 64, 128 and 256, one call runs CUDA kernels that
+    each read a page once for all the query rows (query tokens x query heads of one kv head) of a
+    sequence that need it (plus a merge when long contexts are split across CTAs): the ragged
+    kernel, whose CTA takes up to 64 rows of one sequence and turns the FP4 codes into fp16 in
+    shared memory (exact) for the tensor cores (wgmma on sm_90a for tiles of more than 32 rows,
+    mma.sync otherwise); the decode kernel of :func:`paged_attention` for the sequences of one
+    query token; and, for head sizes 64 and 128, a few-row kernel for sequences of 2 or more
+    tokens and at most 16 rows (speculative decoding) that reads the pages straight into its
+    tensor-core fragments. Float32 accumulation and online softmax, q and P rounded to fp16 as
+    in the decode kernel. Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
     runs (:func:`jax_nvfp4.reference.ragged_paged_attention`: every query token is decode
     attention over its own sequence's pages, so its memory is that of a decode batch of
     ``num_tokens`` sequences).
