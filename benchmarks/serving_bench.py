@@ -267,7 +267,22 @@ class NVFP4Cache:
         return jax_nvfp4.paged_attention(q, cache, tables, lens, *scale)
 
 
-class BF16PagedCache:
+class _BF16Cache:
+    """What the two bf16 caches share: a K and a V array of ``_dims()`` per layer, no scales."""
+
+    def shape(self):
+        s = jax.ShapeDtypeStruct(self._dims(), jnp.bfloat16)
+        return (s, s)
+
+    def allocate(self):
+        return tuple((jnp.zeros(self._dims(), jnp.bfloat16), jnp.zeros(self._dims(), jnp.bfloat16))
+                     for _ in range(self.model.layers))
+
+    def scales(self):
+        return tuple(() for _ in range(self.model.layers))
+
+
+class BF16PagedCache(_BF16Cache):
     """Pages of bf16 K and V: ``[pages, page size, kv heads, D]`` for the library's jnp reader,
     ``[kv heads, pages, page size, D]`` for the Pallas reader (``k_splits`` set)."""
     key, kind = "bf16_paged", "bf16"
@@ -285,17 +300,6 @@ class BF16PagedCache:
         if self.k_splits is None:
             return (p.num_blocks, BLOCK_SIZE, m.num_kv_heads, m.head_size)
         return (m.num_kv_heads, p.num_blocks, BLOCK_SIZE, m.head_size)
-
-    def shape(self):
-        s = jax.ShapeDtypeStruct(self._dims(), jnp.bfloat16)
-        return (s, s)
-
-    def allocate(self):
-        return tuple((jnp.zeros(self._dims(), jnp.bfloat16), jnp.zeros(self._dims(), jnp.bfloat16))
-                     for _ in range(self.model.layers))
-
-    def scales(self):
-        return tuple(() for _ in range(self.model.layers))
 
     def store(self, cache, k, v, slots, scale):
         if self.k_splits is None:
@@ -318,7 +322,7 @@ class BF16PagedCache:
                                             interpret=self.interpret)
 
 
-class DenseCache:
+class DenseCache(_BF16Cache):
     key, kind = "dense", "bf16"
 
     def __init__(self, model, plan, implementation):
@@ -330,17 +334,6 @@ class DenseCache:
     def _dims(self):
         m, p = self.model, self.plan
         return (p.batch, p.capacity, m.num_kv_heads, m.head_size)
-
-    def shape(self):
-        s = jax.ShapeDtypeStruct(self._dims(), jnp.bfloat16)
-        return (s, s)
-
-    def allocate(self):
-        return tuple((jnp.zeros(self._dims(), jnp.bfloat16), jnp.zeros(self._dims(), jnp.bfloat16))
-                     for _ in range(self.model.layers))
-
-    def scales(self):
-        return tuple(() for _ in range(self.model.layers))
 
     def store(self, cache, k, v, slots, scale):
         return tuple(_scatter_rows(c.reshape(-1, *c.shape[2:]), slots, x).reshape(c.shape)
