@@ -764,7 +764,7 @@ def markdown(result):
              "swizzled V scales. TFLOP/s: causal FLOPs over the time (dense_nc does more); % of "
              "bytes floor: the row's NVFP4 pages (read once) at the ceiling over its time (for "
              "dense rows the point's NVFP4 floor too); vs dense: the best dense row's time over "
-             "this row's (throughput ratio); x ref: this row's time over the decode kernel's "
+             "this row's (throughput ratio); x ref: this row's time over the decode reader's "
              "(spec) or the sum of the parts (mixed). Spread: the two timings apart.", "",
              "| point | bound | method | µs / call | spread % | TFLOP/s | % of peak | "
              "% of bytes floor | vs dense | x ref |",

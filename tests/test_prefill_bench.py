@@ -41,7 +41,8 @@ def test_prefill_bench_quick(tmp_path):
     out = _run_quick(tmp_path)
     assert out.count("NOTE: this ran on cpu, not on a GPU: a smoke run.") == 1
     assert "Targets (ragged_paged_attention): not evaluated on cpu (GPU targets)" in out
-    assert "missed" not in out and "0.00 TB/s" not in out and "decode kernel" not in out
+    assert "missed" not in out and "0.00 TB/s" not in out
+    assert "decode kernel (paged_attention)" not in out and "ragged nvfp4 (impl=auto)" not in out
     assert f"wrote {tmp_path / 'prefill_bench.json'}, {tmp_path / 'prefill_bench.md'}" in out
     table = out[out.index("| point | bound | method |"):]
     assert out.rstrip().endswith(table.rstrip())  # the table is printed last
