@@ -113,10 +113,10 @@ struct SharedStore {
 
   void Work() {
     int64_t done = 0;
+    const int64_t total = problem.num_layers * problem.num_tokens;
     for (int64_t piece; (piece = next_piece.fetch_add(1)) < num_pieces; ++done) {
-      const int64_t begin = piece * tokens_per_piece;
-      const int64_t total = problem.num_layers * problem.num_tokens;
-      StoreRange(problem, begin, begin + tokens_per_piece < total ? begin + tokens_per_piece : total);
+      const int64_t begin = piece * tokens_per_piece, end = begin + tokens_per_piece;
+      StoreRange(problem, begin, end < total ? end : total);
     }
     if (done && pieces_done.fetch_add(done) + done == num_pieces) {
       std::lock_guard<std::mutex> lock(mutex);
@@ -146,9 +146,10 @@ void StoreAll(const StoreProblem& p, ffi::ThreadPool& pool) {
   shared->all_done.wait(lock, [&] { return shared->pieces_done.load() == shared->num_pieces; });
 }
 
-ffi::Error StoreCpu(ffi::ThreadPool pool, ffi::AnyBuffer key, ffi::AnyBuffer value, ffi::Buffer<ffi::U8> kv_cache,
-                    ffi::AnyBuffer slot_mapping, ffi::Buffer<ffi::F32> k_scale,
-                    ffi::Buffer<ffi::F32> v_scale, ffi::Result<ffi::Buffer<ffi::U8>> kv_cache_out,
+ffi::Error StoreCpu(ffi::ThreadPool pool, ffi::AnyBuffer key, ffi::AnyBuffer value,
+                    ffi::Buffer<ffi::U8> kv_cache, ffi::AnyBuffer slot_mapping,
+                    ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                    ffi::Result<ffi::Buffer<ffi::U8>> kv_cache_out,
                     int32_t layout, int32_t scale_search, bool v_scale_swizzle) {
   StoreProblem p;
   ffi::Error error = MakeStoreProblem(key, value, kv_cache, slot_mapping, k_scale, v_scale,

@@ -324,7 +324,8 @@ def test_checked_store_reports_an_inverted_scale(scale_search):
         inverted = case.with_args(**{name: F32(448) / sc.amax(x)})
         message, out = _run_checked(inverted, scale_search)
         side = "key" if name == "k_scale" else "value"
-        assert message is not None and f"blocks of {side} get a subnormal E4M3 block scale" in message
+        assert message is not None, name
+        assert f"blocks of {side} get a subnormal E4M3 block scale" in message, message
         assert f"{name} = " in message and "not 448 / amax" in message, message
         # What it reports is real: most stored block scales are subnormal, some are not zero,
         # and the read-back error is well above that of the calibrated scale.
