@@ -149,13 +149,15 @@ def nvfp4_method(scale_search, num_blocks, block_size, heads, head_size, k_scale
 
 
 def reference_method(scale_search, *args):
-    """The jnp reference. Its quantisation does not depend on the cache, so with the same
-    key/value in every chained call XLA would compute it once for the whole chain (common
-    subexpressions; it did, until 2026-12-01): each call first flips the lowest bit of its
-    inputs by a bit of its own slot_mapping, an elementwise op XLA fuses into the quantisation."""
+    """The jnp reference. Its quantisation does not depend on the cache, so in a chain of calls
+    with the same key/value XLA would compute it once for all (common subexpressions; it did,
+    until 2026-12-01), or run the calls' quantisations side by side on several cores, which a
+    decode loop cannot. So each call first flips the lowest bit of its inputs by a bit of its
+    own slot_mapping and one of the previous call's cache (an elementwise op that XLA fuses
+    into the quantisation): no two calls are alike, and each waits for the one before."""
 
     def store(key, value, cache, slots, *rest, **options):
-        flip = (slots[0] & 1).astype(jnp.uint16)
+        flip = ((slots[0] ^ cache.reshape(-1)[0].astype(slots.dtype)) & 1).astype(jnp.uint16)
         key, value = (jax.lax.bitcast_convert_type(
             jax.lax.bitcast_convert_type(x, jnp.uint16) ^ flip, x.dtype) for x in (key, value))
         return nv_reference.reshape_and_cache(key, value, cache, slots, *rest, **options)

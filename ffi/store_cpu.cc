@@ -130,7 +130,9 @@ void StoreAll(const StoreProblem& p, ffi::ThreadPool& pool) {
   const int64_t values_per_token = 2 * p.page.num_kv_heads * p.page.head_size;
   const int64_t threads = pool.num_threads();
   int64_t pieces = total * values_per_token / kMinValuesPerPiece;
-  pieces = pieces < threads + 1 ? pieces : threads + 1;  // the pool's threads and this one
+  // As many pieces as the pool has threads (XLA:CPU runs the call itself on one of them; one
+  // piece more left a third piece to run after the first two on a 2-core machine).
+  pieces = pieces < threads ? pieces : threads;
   if (pieces <= 1) {
     StoreRange(p, 0, total);
     return;
