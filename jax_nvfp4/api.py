@@ -24,8 +24,9 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     cache donated (``donate_argnums``) the update happens in place and costs O(num_tokens).
     Without donation (and when called eagerly) XLA first copies the whole cache, on every
     call: O(cache size), e.g. about 900x slower for a decode step into a 144 MiB cache on a
-    2-core CPU (benchmarks/RESULTS.md). Donate the cache: ``jax.jit(step, donate_argnums=...)``, with
-    several layers' caches as a tuple (README, "A decode step over several layers").
+    2-core CPU (benchmarks/RESULTS.md). Donate the cache: ``jax.jit(step,
+    donate_argnums=...)``, several layers' caches as one tuple (README, "A decode step over
+    several layers").
 
     The global scales belong to the cache for its whole life (docs/format.md §1): the bytes do
     not record them, so every reader must be passed the ``k_scale``/``v_scale`` the rows were
