@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -89,6 +88,14 @@ LABELS = {"kernel": "nvfp4 kernel (impl=auto)", "jnp": "nvfp4 jnp (impl=jnp)",
 TARGET_PCT = {"32x32768": 70, "8x32768": 70, "1x131072": 70, "128x4096": 70, "32x8192": 50,
               "128x1024": 50}
 TARGET_RAGGED_X_FLOOR = 1.3
+
+
+def label(method):
+    """A method's row label: what ran (off a GPU impl=auto runs the jnp path)."""
+    if method != "kernel":
+        return LABELS[method]
+    return store_bench.kernel_label(LABELS[method], "nvfp4 jnp path (impl=auto: no kernel on "
+                                                    "{platform})")
 
 
 def _ready(x):
@@ -364,7 +371,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                 why = (f"float32 intermediates ~{need / GiB:.3g} GiB > budget "
                        f"{budget / GiB:.3g} GiB (--jnp-budget-gib)")
                 skipped.append({"point": point["name"], "method": m, "why": why})
-                log(f"  skip {LABELS[m]}: {why}")
+                log(f"  skip {label(m)}: {why}")
     inputs = make_inputs(point, methods, args.max_chain, key)
     on_gpu = jax.devices()[0].platform == "gpu"
     built = []
@@ -380,7 +387,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                 else:
                     attn = {"kernel": nvfp4_attn("auto"), "jnp": nvfp4_attn("jnp"),
                             "bf16": bf16_attn, "glue": glue_attn}[m]
-                    method = Method(m, LABELS[m], attn, inputs)
+                    method = Method(m, label(m), attn, inputs)
                 try:
                     single = method.start(check_hlo=(m == "kernel" and on_gpu))
                 except Exception as e:  # noqa: BLE001  (a variant that does not run is skipped)
@@ -507,10 +514,12 @@ def run(args):
     log = lambda s: print(s, flush=True)  # noqa: E731
     log(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
         f"date {time.strftime('%Y-%m-%d')}")
+    if not store_bench.on_gpu():
+        log(store_bench.smoke_run_note())
     ceiling = store_bench.measure_ceiling(args.ceiling_bytes, args.repeats)
     ceil_bps = ceiling["ceiling_Bps"]
-    log(f"ceiling: elementwise {ceiling['elementwise_Bps'] / 1e12:.2f} TB/s, device_put copy "
-        f"{ceiling['device_put_copy_Bps'] / 1e12:.2f} TB/s over "
+    log(f"ceiling: elementwise {store_bench.rate_text(ceiling['elementwise_Bps'])}, device_put "
+        f"copy {store_bench.rate_text(ceiling['device_put_copy_Bps'])} over "
         f"{args.ceiling_bytes / GiB:.2f} GiB (read + write)")
     budget = int(args.jnp_budget_gib * GiB) if args.jnp_budget_gib else memory_budget()
     log(f"memory budget of the jnp readers' float32 intermediates: {budget / GiB:.1f} GiB")
@@ -556,7 +565,8 @@ def run(args):
                          "v_scale_swizzle": True, "repeats": args.repeats, "seed": args.seed,
                          "quick": args.quick},
               "method_note": __doc__.split("\n\n")[3]}
-    result["targets"] = evaluate_targets(result)
+    # The targets are the GPU kernel's: off a GPU nothing ran that they are about.
+    result["targets"] = evaluate_targets(result) if store_bench.on_gpu() else []
     return result
 
 
@@ -569,6 +579,8 @@ def _fmt(x, spec, none="-"):
 
 
 def targets_text(result):
+    if result["platform"] != "gpu":
+        return f"Targets (kernel, NVFP4 bytes): not evaluated on {result['platform']} (GPU targets)"
     lines = ["Targets (kernel, NVFP4 bytes):"]
     for c in result["targets"]:
         noise = " (margin within the timing spread)" if c.get("within_noise") else ""
@@ -582,11 +594,11 @@ def markdown(result):
     q_out_share = max((100 * p["q_out_bytes"] / p["nvfp4_bytes"] for p in result["points"]),
                       default=0.0)
     lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
-             f"{c['ceiling_Bps'] / 1e12:.2f} TB/s (read + write; elementwise "
-             f"{c['elementwise_Bps'] / 1e12:.2f}, device_put copy "
-             f"{c['device_put_copy_Bps'] / 1e12:.2f}); decode only reads, so % of ceiling can "
-             f"exceed 100. {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head size {HEAD_SIZE}, "
-             f"pages of {BLOCK_SIZE}, HND, swizzled V scales. GB/s counts the cache bytes the "
+             f"{store_bench.rate_text(c['ceiling_Bps'])} (read + write; elementwise "
+             f"{store_bench.rate_text(c['elementwise_Bps'])}, device_put copy "
+             f"{store_bench.rate_text(c['device_put_copy_Bps'])}); decode only reads, so % of "
+             f"ceiling can exceed 100. {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, head size "
+             f"{HEAD_SIZE}, pages of {BLOCK_SIZE}, HND, swizzled V scales. GB/s counts the cache bytes the "
              "sequences need (NVFP4 for nvfp4 rows, bf16 otherwise; q and out left out: at most "
              f"{q_out_share:.2g}% of the NVFP4 bytes). "
              "x floor: time over the row's bytes floor. vs bf16 / vs dense: their time over "
@@ -712,14 +724,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     result = run(args)
     table = markdown(result)
-    with open(os.path.join(args.out, "attention_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "attention_bench.md"), "w") as f:
-        f.write(targets_text(result) + "\n\n" + table + "\n")
-    try:
-        plot(result, os.path.join(args.out, "attention_bench.png"))
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    store_bench.write_outputs(args.out, "attention_bench", result,
+                              targets_text(result) + "\n\n" + table, plot)
     print()
     print(targets_text(result))
     print()

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import os
 import sys
 import time
@@ -111,6 +110,20 @@ LABELS = {"ragged": "ragged nvfp4 (impl=auto)", "decode": "decode kernel (paged_
           "part_decode": "part: decode seqs (paged_attention)",
           "part_chunks": "part: chunks (ragged)", "parts": "sum of parts (run separately)",
           "glue": "chain glue (no attention)"}
+
+
+
+#: What runs instead of the kernels off a GPU.
+OFF_GPU_LABELS = {"ragged": "ragged nvfp4 jnp path (impl=auto: no kernel on {platform})",
+                  "decode": "decode jnp path (paged_attention: no kernel on {platform})"}
+
+
+def label(method):
+    """A method's row label: what ran."""
+    if method not in OFF_GPU_LABELS:
+        return LABELS[method]
+    return store_bench.kernel_label(LABELS[method], OFF_GPU_LABELS[method])
+
 
 # kind -> (row field, comparison, target, what): the issue's targets, in the benchmark.
 TARGETS = {
@@ -398,7 +411,7 @@ def candidates(key, point):
                 for v in dense_variants(key == "dense")]
     attn = {"ragged": ragged_attn, "part_chunks": ragged_attn, "glue": glue_attn,
             "decode": ab.nvfp4_attn("auto"), "part_decode": ab.nvfp4_attn("auto")}[key]
-    return [(LABELS[key], attn, None)]
+    return [(label(key), attn, None)]
 
 
 def build_methods(point, specs, inputs, args, n_calls, log, skipped):
@@ -513,7 +526,7 @@ def point_rows(point, alive, ceiling_bps, peak_flops):
     if len(parts) == 2:
         rounds = [sum(r[f"us_round{i}"] for r in parts) / 1e6 for i in (1, 2)]
         work = {k: sum(r[k] for r in parts) for k in ("flops", "nvfp4_bytes")}
-        rows.append(make_row(point, "parts", LABELS["parts"], rounds, work, ceiling_bps,
+        rows.append(make_row(point, "parts", label("parts"), rounds, work, ceiling_bps,
                              peak_flops))
     return rows
 
@@ -601,8 +614,8 @@ def run_point(point, args, ceiling_bps, peak_flops, key, log):
         if why is None:
             specs.append((k, wl))
         elif why != "not asked":
-            skipped.append({"point": point["name"], "method": LABELS[k], "why": why})
-            log(f"  skip {LABELS[k]}: {why}")
+            skipped.append({"point": point["name"], "method": label(k), "why": why})
+            log(f"  skip {label(k)}: {why}")
     n_calls = calls_for(point, args)
     inputs = make_inputs(point, {k for k, _ in specs}, n_calls, key)
     try:
@@ -635,10 +648,13 @@ def run(args, log=_log):
     result = {"device": device.device_kind, "platform": device.platform, "jax": jax.__version__,
               "date": time.strftime("%Y-%m-%d")}
     log("device: {device} ({platform}), jax {jax}, date {date}".format(**result))
+    if not store_bench.on_gpu():
+        log(store_bench.smoke_run_note())
     result["ceiling"] = ceiling = store_bench.measure_ceiling(args.ceiling_bytes, args.repeats)
     ceil_bps = ceiling["ceiling_Bps"]
     result["matmul_peak_flops"] = peak = measure_matmul_peak(args.matmul_n, args.repeats)
-    log(f"ceiling {ceil_bps / 1e12:.2f} TB/s (read + write, {args.ceiling_bytes / GiB:.2f} GiB); "
+    log(f"ceiling {store_bench.rate_text(ceil_bps)} (read + write, "
+        f"{args.ceiling_bytes / GiB:.2f} GiB); "
         f"bf16 matrix product {peak / 1e12:.1f} TFLOP/s ({args.matmul_n}^3)")
     key = jax.random.key(args.seed)
     rows, skipped = [], []
@@ -675,7 +691,8 @@ def run(args, log=_log):
                   config=dict(geometry, **{k: getattr(args, k) for k in
                                            ("repeats", "seed", "quick", "only")}),
                   method_note="\n\n".join(__doc__.split("\n\n")[4:6]))
-    result["targets"] = evaluate_targets(result)
+    # The targets are the GPU kernels': off a GPU nothing ran that they are about.
+    result["targets"] = evaluate_targets(result) if store_bench.on_gpu() else []
     return result
 
 
@@ -726,6 +743,9 @@ def plot(result, path):
 
 
 def targets_text(result):
+    if result["platform"] != "gpu":
+        return (f"Targets (ragged_paged_attention): not evaluated on {result['platform']} "
+                f"(GPU targets)")
     lines = ["Targets (ragged_paged_attention" + (", quick shapes: not the issue's" if
                                                   result["config"]["quick"] else "") + "):"]
     for c in result["targets"]:
@@ -738,13 +758,13 @@ def targets_text(result):
 def markdown(result):
     c, peak = result["ceiling"], result["matmul_peak_flops"]
     lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
-             f"{c['ceiling_Bps'] / 1e12:.2f} TB/s (read + write), bf16 matrix product "
+             f"{store_bench.rate_text(c['ceiling_Bps'])} (read + write), bf16 matrix product "
              f"{peak / 1e12:.1f} TFLOP/s ({result['matmul_n']}^3). {NUM_Q_HEADS} q / "
              f"{NUM_KV_HEADS} kv heads, head size {HEAD_SIZE}, pages of {BLOCK_SIZE}, HND, "
              "swizzled V scales. TFLOP/s: causal FLOPs over the time (dense_nc does more); % of "
              "bytes floor: the row's NVFP4 pages (read once) at the ceiling over its time (for "
              "dense rows the point's NVFP4 floor too); vs dense: the best dense row's time over "
-             "this row's (throughput ratio); x ref: this row's time over the decode kernel's "
+             "this row's (throughput ratio); x ref: this row's time over the decode reader's "
              "(spec) or the sum of the parts (mixed). Spread: the two timings apart.", "",
              "| point | bound | method | µs / call | spread % | TFLOP/s | % of peak | "
              "% of bytes floor | vs dense | x ref |",
@@ -797,14 +817,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     result = run(args)
     table, targets = markdown(result), targets_text(result)
-    for suffix, text in (("json", json.dumps(result, indent=1, default=int)),
-                         ("md", targets + "\n\n" + table + "\n")):
-        with open(os.path.join(args.out, f"prefill_bench.{suffix}"), "w") as f:
-            f.write(text)
-    try:
-        plot(result, os.path.join(args.out, "prefill_bench.png"))
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    store_bench.write_outputs(args.out, "prefill_bench", result, targets + "\n\n" + table, plot,
+                              json_default=int)
     print(f"\n{targets}\n\n{table}", flush=True)
     return result
 

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -43,6 +42,56 @@ GiB = 1 << 30
 def _ready(x):
     jax.block_until_ready(x)
     return x
+
+
+# ---------------------------------------------------------------------------------------------
+# What every benchmark (this one, attention_bench.py, prefill_bench.py) says about where it ran
+# and where its output went.
+
+def on_gpu():
+    return jax.devices()[0].platform == "gpu"
+
+
+def smoke_run_note():
+    """The line a run off a GPU prints first, once."""
+    platform = jax.devices()[0].platform
+    return (f"NOTE: this ran on {platform}, not on a GPU: a smoke run. Its times are those of "
+            f"the {platform} code paths (the NVFP4 readers' jnp path, the store's C++ kernel, "
+            f"XLA's {platform} ops) and mean nothing for a GPU; the GPU targets and the shares "
+            f"of the memory ceiling are left out.")
+
+
+def kernel_label(gpu_label, elsewhere):
+    """The row label of a method whose kernel runs only on a GPU: ``gpu_label`` there, else
+    ``elsewhere`` (what ran instead; ``{platform}`` is filled in)."""
+    return gpu_label if on_gpu() else elsewhere.format(platform=jax.devices()[0].platform)
+
+
+def rate_text(bytes_per_s):
+    return (f"{bytes_per_s / 1e12:.2f} TB/s" if bytes_per_s >= 1e12
+            else f"{bytes_per_s / 1e9:.1f} GB/s")
+
+
+def write_outputs(out_dir, name, result, text, plot, json_default=None):
+    """Writes ``name``.json (result), .md (text) and .png (``plot(result, path)``, which needs
+    matplotlib) into ``out_dir`` and prints where they went."""
+    written = []
+    for suffix, content in (("json", json.dumps(result, indent=1, default=json_default)),
+                            ("md", text + "\n")):
+        path = os.path.join(out_dir, f"{name}.{suffix}")
+        with open(path, "w") as f:
+            f.write(content)
+        written.append(path)
+    missing = None
+    try:
+        plot(result, os.path.join(out_dir, f"{name}.png"))
+        written.append(os.path.join(out_dir, f"{name}.png"))
+    except ImportError:
+        missing = ("no plot: matplotlib is not installed (pip install matplotlib, or the "
+                   "package's bench extra: pip install \".[bench]\")")
+    print(f"\nwrote {', '.join(written)}", flush=True)
+    if missing:
+        print(missing, flush=True)
 
 
 def _time_program(fn, state, args, repeats):
@@ -100,7 +149,20 @@ def nvfp4_method(scale_search, num_blocks, block_size, heads, head_size, k_scale
 
 
 def reference_method(scale_search, *args):
-    return nvfp4_method(scale_search, *args, store=nv_reference.reshape_and_cache)
+    """The jnp reference. Its quantisation does not depend on the cache, so in a chain of calls
+    with the same key/value XLA would compute it once for all (common subexpressions; it did,
+    until 2026-12-01), or run the calls' quantisations side by side on several cores, which a
+    decode loop cannot. So each call first flips the lowest bit of its inputs by a bit of its
+    own slot_mapping and one of the previous call's cache (an elementwise op that XLA fuses
+    into the quantisation): no two calls are alike, and each waits for the one before."""
+
+    def store(key, value, cache, slots, *rest, **options):
+        flip = ((slots[0] ^ cache.reshape(-1)[0].astype(slots.dtype)) & 1).astype(jnp.uint16)
+        key, value = (jax.lax.bitcast_convert_type(
+            jax.lax.bitcast_convert_type(x, jnp.uint16) ^ flip, x.dtype) for x in (key, value))
+        return nv_reference.reshape_and_cache(key, value, cache, slots, *rest, **options)
+
+    return nvfp4_method(scale_search, *args, store=store)
 
 
 def dense_method(dtype, num_blocks, block_size, heads, head_size, k_scale, v_scale,
@@ -196,10 +258,13 @@ def run(args):
     device = jax.devices()[0]
     print(f"device: {device.device_kind} ({device.platform}), jax {jax.__version__}, "
           f"date {time.strftime('%Y-%m-%d')}", flush=True)
+    gpu = on_gpu()
+    if not gpu:
+        print(smoke_run_note(), flush=True)
     ceiling = measure_ceiling(args.ceiling_bytes, args.repeats)
     ceil_bps = ceiling["ceiling_Bps"]
-    print(f"ceiling: elementwise {ceiling['elementwise_Bps'] / 1e12:.2f} TB/s, device_put copy "
-          f"{ceiling['device_put_copy_Bps'] / 1e12:.2f} TB/s over {args.ceiling_bytes / GiB:.1f} GiB",
+    print(f"ceiling: elementwise {rate_text(ceiling['elementwise_Bps'])}, device_put copy "
+          f"{rate_text(ceiling['device_put_copy_Bps'])} over {args.ceiling_bytes / GiB:.1f} GiB",
           flush=True)
 
     configs = []
@@ -245,11 +310,12 @@ def run(args):
             row = {"tokens": tokens, "kv_heads": heads, "head_size": head_size, "method": name,
                    "us_per_call": per_call * 1e6, "bytes": nbytes,
                    "GBps": nbytes / per_call / 1e9 if per_call > 0 else float("nan")}
-            row["pct_ceiling"] = 100 * row["GBps"] * 1e9 / ceil_bps
+            # Off a GPU the "ceiling" is a host memory copy: a share of it says nothing.
+            row["pct_ceiling"] = 100 * row["GBps"] * 1e9 / ceil_bps if gpu else None
             rows.append(row)
+            share = f" {row['pct_ceiling']:>6.1f}% of ceiling" if gpu else ""
             print(f"{tokens:>7} tok {heads:>2} heads D={head_size:<3} {name:<20} "
-                  f"{row['us_per_call']:>10.2f} us {row['GBps']:>8.1f} GB/s "
-                  f"{row['pct_ceiling']:>6.1f}% of ceiling", flush=True)
+                  f"{row['us_per_call']:>10.2f} us {row['GBps']:>8.1f} GB/s{share}", flush=True)
 
     size_rows = []
     for cache_bytes in args.cache_sizes:
@@ -274,15 +340,17 @@ def run(args):
 
 
 def markdown(result):
+    c = result["ceiling"]
     lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
-             f"{result['ceiling']['ceiling_Bps'] / 1e12:.2f} TB/s (read + write; elementwise "
-             f"{result['ceiling']['elementwise_Bps'] / 1e12:.2f}, device_put copy "
-             f"{result['ceiling']['device_put_copy_Bps'] / 1e12:.2f}).", "",
+             f"{rate_text(c['ceiling_Bps'])} (read + write; elementwise "
+             f"{rate_text(c['elementwise_Bps'])}, device_put copy "
+             f"{rate_text(c['device_put_copy_Bps'])}).", "",
              "| tokens | kv heads | head size | method | µs / call | GB/s | % of ceiling |",
              "| ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in result["rows"]:
+        share = "-" if r["pct_ceiling"] is None else f"{r['pct_ceiling']:.1f}"
         lines.append(f"| {r['tokens']} | {r['kv_heads']} | {r['head_size']} | {r['method']} | "
-                     f"{r['us_per_call']:.2f} | {r['GBps']:.1f} | {r['pct_ceiling']:.1f} |")
+                     f"{r['us_per_call']:.2f} | {r['GBps']:.1f} | {share} |")
     if result["cache_size_rows"]:
         lines += ["", "| cache size | tokens stored | µs / call |", "| ---: | ---: | ---: |"]
         for r in result["cache_size_rows"]:
@@ -308,8 +376,8 @@ def plot(result, path):
             style = "-" if heads == 8 else "--"
             axes[0].plot(x, [r["us_per_call"] for r in rs], style, marker="o",
                          label=f"{method}, {heads} heads")
-            axes[1].plot(x, [r["pct_ceiling"] for r in rs], style, marker="o",
-                         label=f"{method}, {heads} heads")
+            axes[1].plot(x, [np.nan if r["pct_ceiling"] is None else r["pct_ceiling"]
+                             for r in rs], style, marker="o", label=f"{method}, {heads} heads")
     axes[0].set(xscale="log", yscale="log", xlabel="tokens per call", ylabel="µs per call",
                 title=f"store time ({result['device']})")
     axes[1].set(xscale="log", xlabel="tokens per call", ylabel="% of measured copy ceiling",
@@ -353,16 +421,9 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     result = run(args)
     table = markdown(result)
+    write_outputs(args.out, "store_bench", result, table, plot)
     print()
-    print(table)
-    with open(os.path.join(args.out, "store_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "store_bench.md"), "w") as f:
-        f.write(table + "\n")
-    try:
-        plot(result, os.path.join(args.out, "store_bench.png"))
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
+    print(table, flush=True)
     return result
 
 

@@ -907,16 +907,23 @@ def report(cfg, r):
     print(f"  bf16 : {tps['bf16']:8,.1f} tokens/s, {bpt['bf16']:6,} B of cache per token")
     print(_reader_note(r["platform"]))
     forced = cfg.teacher_force
+    compared = ("every step of every sequence" if forced else
+                "each sequence's tokens up to and including its first difference, where both "
+                "runs had the same history")
     print(f"agreement: {100 * r['step_agreement']:.1f}% of greedy next tokens match the bf16 "
-          f"run given the same history ({r['logits_compared_steps']} sequence-steps); "
+          f"run given the same history ({r['logits_compared_steps']} sequence-steps: "
+          f"{compared}); "
           f"KL(bf16 || NVFP4) mean {r['logits_kl_mean']:.2g} nats; "
           f"logits |NVFP4 - bf16| mean {r['logits_mean_abs_diff']:.4f}, max "
           f"{r['logits_max_abs_diff']:.4f} (mean |logit| {r['logits_mean_abs']:.3f})")
+    generated = len(r["first_divergence"]) * (cfg.steps + 1)
+    share = (f"{100 * r['agreement']:.1f}% of the {generated} generated tokens equal the bf16 "
+             f"run's at the same position")
     if forced:
         print("  (teacher-forced: the NVFP4 run was fed the bf16 run's tokens, so every step "
               "compares choices made from identical inputs)")
     elif cfg.random_weights:
-        print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}%, lower "
+        print(f"  greedy-token agreement (free-running): {share}, lower "
               f"because random weights give near-ties (median bf16 top-1 - top-2 margin "
               f"{r['bf16_top2_margin_median']:.3f}), and once one token differs every later "
               f"input of that sequence differs too")
@@ -925,7 +932,7 @@ def report(cfg, r):
         firsts = [f for f in r["first_divergence"] if f < n]
         where = (f"sequences first differ at generated token {', '.join(map(str, sorted(firsts)))}"
                  f" of 0..{cfg.steps}" if firsts else f"no sequence differs in {n} tokens")
-        print(f"  greedy-token agreement (free-running): {100 * r['agreement']:.1f}% ({where}; "
+        print(f"  greedy-token agreement (free-running): {share} ({where}; "
               f"after a first difference every later input of that sequence differs too); "
               f"benchmarks/quality_bench.py measures the cost in bits per byte")
     report_checks(cfg, r)

@@ -1,6 +1,9 @@
 """Store random keys and values into an NVFP4 paged cache, read them back, print the error.
 
     python examples/quickstart.py
+
+For Gaussian data the relative L2 error is about 0.095 (the format's own rounding: 3 bits of
+magnitude per value and a scale per 16 values; ``scale_search="4over6"`` gives about 0.087).
 """
 
 import jax
@@ -8,6 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_nvfp4
+
+
+#: The relative L2 read-back error of NVFP4 on Gaussian data (measured here: 0.0951, 0.0955).
+EXPECTED_GAUSSIAN_ERROR = 0.095
 
 
 def main():
@@ -36,7 +43,8 @@ def main():
         original = original[stored].astype(jnp.float32)
         back = read.reshape(flat)[slots]
         rel = jnp.linalg.norm(back - original) / jnp.linalg.norm(original)
-        print(f"{name}: relative L2 error {float(rel):.4f}")
+        print(f"{name}: relative L2 error {float(rel):.4f} (expected for Gaussian data: "
+              f"about {EXPECTED_GAUSSIAN_ERROR})")
     bf16_bytes = 2 * num_blocks * block_size * num_kv_heads * head_size * 2
     print(f"cache: {kv_cache.nbytes} bytes NVFP4 vs {bf16_bytes} bytes bf16 "
           f"({bf16_bytes / kv_cache.nbytes:.2f}x smaller) on {jax.devices()[0].platform}")

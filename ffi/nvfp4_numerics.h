@@ -101,20 +101,31 @@ NVFP4_HD float f16_bits_to_float(uint16_t h) {
   // a code's sign bit is the input's (docs/format.md §2 step 6), NaNs included.
   return bits_float(float_bits(__half2float(__ushort_as_half(h))) | (uint32_t(h & 0x8000u) << 16));
 #else
+  // All three cases computed and one selected (a form the compiler vectorises).
   const uint32_t sign = uint32_t(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
   const uint32_t man = h & 0x3FFu;
-  if (exp == 0x1Fu) return bits_float(sign | 0x7F800000u | (man << 13));  // Inf / NaN
-  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
-  // Zero or subnormal: man * 2^-24, exact in float32.
-  const float mag = mul_rn(float(man), 5.9604644775390625e-08f);
-  return bits_float(sign | float_bits(mag));
+  const uint32_t inf_nan = 0x7F800000u | (man << 13);
+  const uint32_t normal = ((exp + 112u) << 23) | (man << 13);
+  // Zero or subnormal: man * 2^-24, exact in float32 (and normal there: no flush).
+  const uint32_t small = float_bits(mul_rn(float(man), 5.9604644775390625e-08f));
+  uint32_t magnitude = exp != 0 ? normal : small;
+  magnitude = exp == 0x1Fu ? inf_nan : magnitude;
+  return bits_float(sign | magnitude);
 #endif
 }
 
 // ---------------------------------------------------------------------------------------
 // E2M1 (docs/format.md §1, §2 step 6).
 NVFP4_HD float e2m1_magnitude(uint8_t code) {
+#if !defined(__CUDA_ARCH__)
+  // The table as arithmetic, which the host's compiler vectorises: m / 2 for codes 0..3,
+  // m - 2 for 4..6, and 6 (every value is exact).
+  const uint32_t m = code & 7u;
+  const float f = float(m);
+  const float half = mul_rn(f, 0.5f), less_two = sub_rn(f, 2.0f);
+  return m < 4u ? half : (m == 7u ? 6.0f : less_two);
+#else
   switch (code & 7u) {
     case 0: return 0.0f;
     case 1: return 0.5f;
@@ -125,6 +136,7 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
     case 6: return 4.0f;
     default: return 6.0f;
   }
+#endif
 }
 
 // Magnitude code of |y| with the rounding of the comparison ladder of docs/format.md §2 step 6
@@ -219,28 +231,29 @@ NVFP4_HD float e4m3_decode(uint8_t byte) {
 constexpr float kRecip6 = 1.0f / 6.0f;
 constexpr float kRecip4 = 0.25f;
 
-// maxNum of |x|: a NaN element is ignored unless every element is NaN (docs/format.md §2 step 2),
-// the semantics of CUDA's fmaxf (signalling NaNs included). C's fmaxf may return NaN for a
-// signalling NaN, so the host spells the rule out.
-NVFP4_HD float max_num(float m, float a) {
-#if defined(__CUDA_ARCH__)
-  return fmaxf(m, a);
-#else
-  if (is_nan(a)) return m;
-  if (is_nan(m)) return a;
-  return a > m ? a : m;
-#endif
-}
-
+// maxNum of |x| over the block: a NaN element is ignored unless every element is NaN
+// (docs/format.md §2 step 2), the semantics of CUDA's fmaxf (signalling NaNs included).
 NVFP4_HD float block_amax(const float* x) {
 #if defined(__CUDA_ARCH__)
   float m = fabsf(x[0]);  // fabsf, not abs_f: folds into the max instruction
   for (int i = 1; i < kBlockElems; ++i) m = fmaxf(m, fabsf(x[i]));
-#else
-  float m = abs_f(x[0]);
-  for (int i = 1; i < kBlockElems; ++i) m = max_num(m, abs_f(x[i]));
-#endif
   return m;
+#else
+  // C's fmaxf may return NaN for a signalling NaN, so the host spells the rule out, on the
+  // bits (a loop the compiler vectorises): non-negative floats order as their bit patterns, and
+  // |NaN| is above +Inf's. A subnormal maximum stands for zero (inputs are flushed, §2: it
+  // only enters products, which flush it).
+  uint32_t m = 0;
+  bool all_nan = true;
+  for (int i = 0; i < kBlockElems; ++i) {
+    const uint32_t u = float_bits(x[i]) & 0x7FFFFFFFu;
+    const bool nan = u > 0x7F800000u;
+    const uint32_t v = nan ? 0u : u;
+    m = v > m ? v : m;
+    all_nan &= nan;
+  }
+  return bits_float(all_nan ? 0x7FC00000u : m);
+#endif
 }
 
 struct BlockScale {
@@ -297,18 +310,49 @@ struct QuantizedBlock {
   uint32_t packed[2];
 };
 
-NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
+// The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3).
+NVFP4_HD BlockScale chosen_block_scale(const float* x, StoreFactor f, ScaleSearch search) {
   const float amax = block_amax(x);
   BlockScale chosen = block_scale(amax, f, kRecip6);
   if (search == ScaleSearch::k4Over6) {
     const BlockScale four = block_scale(amax, f, kRecip4);
     if (block_error(x, four.out_scale) < block_error(x, chosen.out_scale)) chosen = four;
   }
+  return chosen;
+}
+
+NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
+  const BlockScale chosen = chosen_block_scale(x, f, search);
   QuantizedBlock q{chosen.byte, {0u, 0u}};
   for (int i = 0; i < kBlockElems; ++i)
     q.packed[i / 8] |= uint32_t(e2m1_code(x[i], chosen.out_scale)) << (4 * (i % 8));
   return q;
 }
+
+#if !defined(__CUDACC__)
+// The same for n <= kMaxBatchBlocks consecutive blocks x[0 .. 16n) at once, on the host: the
+// steps of quantize_block as loops over blocks and over elements, which the compiler
+// vectorises (the CPU kernel's path); each block gets quantize_block's bytes. Writes the n
+// scale bytes and the 8n packed bytes (docs/format.md §2 step 7: value 2k in the low nibble).
+constexpr int kMaxBatchBlocks = 16;
+
+template <ScaleSearch kSearch>
+inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scales,
+                            uint8_t* packed) {
+  float out_scale[kMaxBatchBlocks];
+  for (int b = 0; b < n; ++b) {
+    const BlockScale chosen = chosen_block_scale(x + b * kBlockElems, f, kSearch);
+    scales[b] = chosen.byte;
+    out_scale[b] = chosen.out_scale;
+  }
+  for (int b = 0; b < n; ++b) {
+    uint8_t code[kBlockElems];
+    for (int i = 0; i < kBlockElems; ++i) code[i] = e2m1_code(x[b * kBlockElems + i], out_scale[b]);
+    for (int k = 0; k < kBlockBytes; ++k)
+      packed[b * kBlockBytes + k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));
+  }
+}
+#endif
 
 // ---------------------------------------------------------------------------------------
 // Page layout (docs/format.md §4). One page side (K or V of one block) is

@@ -22,7 +22,17 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
 
     The result is the cache itself (the XLA custom call aliases it): under ``jax.jit`` with the
     cache donated (``donate_argnums``) the update happens in place and costs O(num_tokens).
-    Without donation XLA first copies the cache.
+    Without donation (and when called eagerly) XLA first copies the whole cache, on every
+    call: O(cache size), e.g. about 900x slower for a decode step into a 144 MiB cache on a
+    2-core CPU (benchmarks/RESULTS.md). Donate the cache: ``jax.jit(step,
+    donate_argnums=...)``, several layers' caches as one tuple (README, "A decode step over
+    several layers").
+
+    The global scales belong to the cache for its whole life (docs/format.md §1): the bytes do
+    not record them, so every reader must be passed the ``k_scale``/``v_scale`` the rows were
+    written with, and a row read with another scale reads back multiplied by the ratio of the
+    two, with no error. Calibrate once, before the first store, and keep the scales with the
+    cache; a new calibration means a new cache (or every row written again).
 
     Under a multi-device ``jit`` the store runs per shard, in place and with no collective,
     when the cache is sharded along its ``num_blocks`` axis or a leading stacked axis (layers
@@ -37,9 +47,13 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
         head_size must be a multiple of 16 (of 64 with ``v_scale_swizzle=True``).
       kv_cache: ``uint8`` cache of :func:`kv_cache_shape` for ``layout``.
       slot_mapping: ``[num_tokens]`` int32 or int64.
-      k_scale, v_scale: float32 scalars (shape ``()`` or ``(1,)``, device values: a new
-        calibration does not recompile): the *dequantisation* multipliers, e.g.
-        ``amax(|K|) / 448`` (:func:`jax_nvfp4.scale_from_amax`). The store divides by them.
+      k_scale, v_scale: scalars (shape ``()`` or ``(1,)``): the *dequantisation* multipliers,
+        e.g. ``amax(|K|) / 448`` (:func:`jax_nvfp4.scale_from_amax`); the store divides by
+        them. Any real number is taken and used as float32, eagerly and under ``jit`` alike
+        (a Python int or float, a NumPy or JAX scalar or array of any integer or floating-point
+        dtype; bool and complex are a ``TypeError``: :func:`jax_nvfp4.checks.as_scale`). They
+        are operands, not constants: a scale computed at run time does not recompile. The
+        cache keeps them for its whole life (above).
         A valid scale is a float32 in ``[2**-126, 2**116]`` (``MIN_SCALE``, ``MAX_SCALE``);
         any other (zero, negative, NaN, infinite, subnormal, larger) is replaced by NaN, so
         the tokens stored with it get NaN block scales and read back as NaN, on every
@@ -52,28 +66,29 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
       checked: also verify, via ``jax.experimental.checkify``, that every non-negative slot is
         in range, that no slot repeats, that k_scale and v_scale are valid scales and suit the
         data: no finite value of key (value) beyond ``6 * 448 * k_scale`` (clipped: the scale
-        is too small) and not every block of a nonzero key (value) stored as zeros (the scale
-        is too large). Eagerly a failed check raises ``checkify.JaxRuntimeError``; under
-        ``jit`` checkify the function: ``err, out = jax.jit(checkify.checkify(f))(...)``
-        (a plain ``jit`` refuses to compile it, saying so).
+        is too small), not every block of a nonzero key (value) stored as zeros and not most
+        of its nonzero blocks stored with an E4M3-subnormal block scale (the scale is too
+        large, e.g. ``448 / amax`` for ``amax / 448``). Eagerly a failed check raises
+        ``checkify.JaxRuntimeError``; under ``jit`` checkify the function: ``err, out =
+        jax.jit(checkify.checkify(f))(...)`` (a plain ``jit`` refuses to compile it, saying
+        so).
 
     Returns:
       The updated cache (same shape and dtype as ``kv_cache``).
 
+    Raises:
+      TypeError, ValueError: at trace time, naming the offending argument.
       ValueError: also for a host (NumPy, list) slot_mapping with values that do not fit the
         dtype JAX gives it (int32 unless x64 is on): they would wrap around to other slots.
         (Under ``jax.jit`` JAX converts NumPy arguments at the ``jit`` boundary, before this
         function sees them: pass device int32 arrays, or enable x64.)
-
-    Raises:
-      TypeError, ValueError: at trace time, naming the offending argument.
     """
     checks.check_options(layout=layout, scale_search=scale_search,
                          v_scale_swizzle=v_scale_swizzle, checked=checked)
     slot_mapping = checks.host_integers(slot_mapping, "slot_mapping")
     key, value, kv_cache, slot_mapping = (
         x if hasattr(x, "dtype") else jnp.asarray(x) for x in (key, value, kv_cache, slot_mapping))
-    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    k_scale, v_scale = checks.as_scales(k_scale, v_scale)
     # Validate here too so that errors point at the caller's line, not into the primitive.
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                                   layout=layout, scale_search=scale_search,
@@ -183,6 +198,30 @@ def _check_store_scales(key, value, k_scale, v_scale, scale_search):
             f"magnitude {{amax}} is below the smallest block scale 2**-10 * 6 * {scale_name} "
             f"({scale_name} = {{s}} is too large for this data); calibrate with "
             f"jax_nvfp4.scale_from_amax(amax)", amax=amax, s=s)
+        # A scale far too large short of that (e.g. 448 / amax for amax / 448) still sends most
+        # blocks below E4M3's normal range, where a block scale keeps 1 to 3 significant bits.
+        subnormal, nonzero = _subnormal_block_scales(x, g, inv_g, scale_search)
+        checkify.check(
+            ~valid | (2 * subnormal <= nonzero),
+            f"reshape_and_cache: {{n}} of the {{total}} nonzero 16-value blocks of {name} get a "
+            f"subnormal E4M3 block scale (below 2**-6: 1 to 3 significant bits, a large "
+            f"rounding error): {scale_name} = {{s}} is far too large for this data (largest "
+            f"magnitude {{amax}}). The global scale is amax / 448 (jax_nvfp4.scale_from_amax), "
+            f"not 448 / amax", n=subnormal, total=nonzero, s=s, amax=amax)
+
+
+def _subnormal_block_scales(x, g, inv_g, scale_search):
+    """(blocks whose block scale is E4M3-subnormal or zero, blocks with a nonzero amax) of x
+    [..., head_size] stored with the factors g, 1/g. With ``"4over6"`` the larger candidate
+    (amax/4) is the one counted: when it is subnormal, so is the stored scale."""
+    blocks = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, _layout.BLOCK_ELEMS)
+    amax = _reference._block_amax(blocks)
+    recip = _reference._RECIP4 if scale_search == "4over6" else _reference._RECIP6
+    byte = _reference._block_scale(amax, g, inv_g, recip)[0]
+    nonzero = amax > 0                                     # NaN blocks and zero blocks excluded
+    exponent_zero = (byte & 0x78) == 0                     # E4M3 exponent field 0
+    return (jnp.sum(nonzero & exponent_zero, dtype=jnp.int32),
+            jnp.sum(nonzero, dtype=jnp.int32))
 
 
 def _check_slots(slot_mapping, num_slots):
@@ -214,8 +253,10 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
 
     Args:
       kv_cache: ``uint8`` cache of :func:`kv_cache_shape` for ``layout``.
-      k_scale, v_scale: the float32 scalars the cache was written with; an invalid scale
-        (outside ``[2**-126, 2**116]``: zero, negative, NaN, infinite, subnormal) reads NaN.
+      k_scale, v_scale: the scales the cache was written with (the bytes do not record them:
+        another scale reads every value times the ratio, silently; any real number, used as
+        float32, as for :func:`reshape_and_cache`); an invalid scale (outside
+        ``[2**-126, 2**116]``: zero, negative, NaN, infinite, subnormal) reads NaN.
       layout, v_scale_swizzle: as the cache was written (the bytes do not record them: a
         cache whose shape fits both layouts is read as told).
       dtype: output floating-point dtype.

@@ -100,7 +100,7 @@ def _check_tables(block_tables, seq_lens, batch):
 
 
 def _scale(s, argument):
-    s = checks.as_scale(s)
+    s = checks.as_scale(s, argument)
     checks.check_scale(s, argument)
     return jnp.reshape(s, ())
 
@@ -233,8 +233,10 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
       seq_lens: ``[batch]`` integer (int32): tokens of each sequence in the cache, the new
         token included. Values above ``max_blocks_per_seq * block_size`` attend to all
         ``max_blocks_per_seq * block_size`` positions; values below 0 count as 0.
-      k_scale, v_scale: the float32 scalars (shape ``()`` or ``(1,)``) the cache was written
-        with (dequantisation multipliers).
+      k_scale, v_scale: the scalars (shape ``()`` or ``(1,)``) the cache was written with
+        (dequantisation multipliers; any real number, used as float32, as for
+        :func:`jax_nvfp4.reshape_and_cache`). The bytes do not record them: another scale
+        reads every value times the ratio of the two, with no error.
       layout: ``"HND"`` (default) or ``"NHD"``, as written.
       v_scale_swizzle: as written (default ``True``).
       sm_scale: softmax scale, default ``1 / sqrt(head_size)``; a Python number or a float
@@ -393,7 +395,7 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         ``q`` (``cu_q_lens[0] = 0``, non-decreasing).
       num_seqs: integer scalar (shape ``()`` or ``(1,)``, a Python int or a device value): the
         sequences in use.
-      k_scale, v_scale: the float32 scalars the cache was written with.
+      k_scale, v_scale: the scales the cache was written with, as for :func:`paged_attention`.
       layout, v_scale_swizzle, sm_scale, impl: as for :func:`paged_attention`.
       return_lse: also return the natural-log log-sum-exp of each query's scores, float32
         ``[num_tokens, num_q_heads]``.

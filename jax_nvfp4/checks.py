@@ -296,7 +296,7 @@ def require_checkify(x, where):
 def checked_dequantize_scales(k_scale, v_scale, where):
     """checked=True of the whole-cache readers: the scales' dtype and shape (trace time) and
     their values (checkify); returns the scales to read with."""
-    k_scale, v_scale = as_scale(k_scale), as_scale(v_scale)
+    k_scale, v_scale = as_scales(k_scale, v_scale)
     check_scale(k_scale, "k_scale")
     check_scale(v_scale, "v_scale")
     k_scale = require_checkify(k_scale, where)
@@ -304,16 +304,32 @@ def checked_dequantize_scales(k_scale, v_scale, where):
     return k_scale, v_scale
 
 
-def as_scale(s):
-    """A Python number becomes a float32 scalar; arrays are left for check_scale as they are."""
+def as_scale(s, argument):
+    """The one dtype rule of a global scale (k_scale, v_scale), the same eagerly and under
+    ``jit``: any real number is taken and converted to float32 (rounded to nearest), whether it
+    is a Python int or float, a NumPy scalar or array, or a JAX array or tracer, of any integer
+    or floating-point dtype (float64 included: ``jit`` converts a NumPy float64 argument to
+    float32 at its boundary, so refusing it eagerly only made the two differ). bool, complex
+    and non-numbers raise ``TypeError`` naming ``argument``. The shape is checked by
+    :func:`check_scale`; the value's validity by :func:`sanitize_scale` / ``checked=True``."""
     import jax.numpy as jnp
 
-    return s if hasattr(s, "dtype") else jnp.asarray(s, dtype=jnp.float32)
+    dtype = s.dtype if hasattr(s, "dtype") else np.asarray(s).dtype
+    if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
+        raise TypeError(f"{argument} must be a real number (an int or float of any precision, "
+                        f"used as float32), got {dtype_name(dtype)}")
+    return jnp.asarray(s, dtype=jnp.float32)
+
+
+def as_scales(k_scale, v_scale):
+    """:func:`as_scale` of both global scales."""
+    return as_scale(k_scale, "k_scale"), as_scale(v_scale, "v_scale")
 
 
 def check_scale(s, argument, extra_shapes=()):
-    """A global scale: float32 (TypeError otherwise) of shape () or (1,) (ValueError otherwise;
-    ``extra_shapes`` admits more, e.g. one scale per layer)."""
+    """A global scale: float32 (TypeError otherwise: the public functions convert with
+    :func:`as_scale` first, so this catches only direct binds of the primitives) of shape ()
+    or (1,) (ValueError otherwise; ``extra_shapes`` admits more, e.g. one scale per layer)."""
     if dtype_name(s.dtype) != "float32":
         raise TypeError(f"{argument} must be float32, got {dtype_name(s.dtype)}")
     if tuple(s.shape) not in ((), (1,)) + tuple(extra_shapes):

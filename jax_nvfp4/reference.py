@@ -155,7 +155,7 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     bytes; an invalid global scale becomes NaN here too)."""
     slot_mapping = checks.host_integers(slot_mapping, "slot_mapping")
     key, value, kv_cache, slot_mapping = map(jnp.asarray, (key, value, kv_cache, slot_mapping))
-    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    k_scale, v_scale = checks.as_scales(k_scale, v_scale)
     geo = checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale,
                                   layout=layout, scale_search=scale_search,
                                   v_scale_swizzle=v_scale_swizzle)
@@ -204,7 +204,7 @@ def dequantize(kv_cache, k_scale, v_scale, *, layout="HND", v_scale_swizzle=True
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, dtype=dtype)
     kv_cache = jnp.asarray(kv_cache)
     geo = checks.check_kv_cache(kv_cache, layout, v_scale_swizzle)
-    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    k_scale, v_scale = checks.as_scales(k_scale, v_scale)
     checks.check_scale(k_scale, "k_scale")
     checks.check_scale(v_scale, "v_scale")
     k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)

@@ -108,7 +108,7 @@ def reshape_and_cache_grouped(key, value, kv_cache, slot_mapping, k_scale, v_sca
                          f"multiple of the cache's {num_groups} groups, got {tuple(key.shape)}")
     if tuple(value.shape) != tuple(key.shape):
         raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    k_scale, v_scale = checks.as_scale(k_scale), checks.as_scale(v_scale)
+    k_scale, v_scale = checks.as_scales(k_scale, v_scale)
     checks.check_scale(k_scale, "k_scale")   # before the checked=True checks read them
     checks.check_scale(v_scale, "v_scale")
     if checked:
@@ -191,7 +191,7 @@ def paged_attention_grouped(q, kv_cache, block_tables, seq_lens, k_scale, v_scal
       kv_cache: ``uint8`` ``[G, ...]`` of :func:`grouped_kv_cache_shape` for ``layout``, as
         written by :func:`reshape_and_cache_grouped`.
       block_tables, seq_lens: as for ``paged_attention`` (shared by the groups).
-      k_scale, v_scale: the float32 scalars the cache was written with (shared by the groups,
+      k_scale, v_scale: the scales the cache was written with (shared by the groups,
         as :func:`reshape_and_cache_grouped` uses them).
       layout, v_scale_swizzle, sm_scale, return_lse, impl, checked: as for
         ``paged_attention`` (the checks run once, for all groups).

@@ -24,10 +24,20 @@ def test_attention_bench_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "sanity: kernel output finite" in out
-    assert "Targets (kernel, NVFP4 bytes):" in out
+    # On a CPU: said once, first; no GPU target evaluated (no PASS/FAIL); rows labelled by what
+    # ran; the ceiling in its own units; where the files went.
+    assert out.count("NOTE: this ran on cpu, not on a GPU: a smoke run.") == 1
+    assert out.index("NOTE: this ran on cpu") < out.index("ceiling:")
+    assert "Targets (kernel, NVFP4 bytes): not evaluated on cpu (GPU targets)" in out
+    assert " FAIL" not in out and " PASS" not in out and "0.00 TB/s" not in out
+    assert "nvfp4 kernel (impl=auto)" not in out
+    assert f"wrote {tmp_path / 'attention_bench.json'}, {tmp_path / 'attention_bench.md'}" in out
+    if importlib.util.find_spec("matplotlib") is None:
+        assert 'no plot: matplotlib is not installed' in out and '.[bench]' in out
     table = out[out.index("| point | method |"):]
     assert out.rstrip().endswith(table.rstrip())  # the table is printed last
-    methods = ("nvfp4 kernel (impl=auto)", "nvfp4 jnp (impl=jnp)", "bf16 paged (jnp)",
+    methods = ("nvfp4 jnp path (impl=auto: no kernel on cpu)", "nvfp4 jnp (impl=jnp)",
+               "bf16 paged (jnp)",
                "dense dpa (", "chain glue (no attention)", "floor: NVFP4 bytes",
                "floor: bf16 bytes")
     for point in ("2x512", "ragged4"):

@@ -518,7 +518,12 @@ def test_default_run_on_the_trained_model(example, capsys):
     assert re.fullmatch(r"  nvfp4: +[\d,.]+ tokens/s, +576 B of cache per token -> 3\.56x the "
                         r"context of bf16 in the same memory", lines[1]), lines[1]
     assert lines[4].startswith("agreement: ") and "KL(bf16 || NVFP4) mean " in lines[4]
+    # Each number says what it counts.
+    assert re.search(r"\(\d+ sequence-steps: each sequence's tokens up to and including its "
+                     r"first difference, where both runs had the same history\)", lines[4])
     assert lines[5].startswith("  greedy-token agreement (free-running): ")
+    assert re.match(r"  greedy-token agreement \(free-running\): [\d.]+% of the 196 generated "
+                    r"tokens equal the bf16 run's at the same position \(", lines[5]), lines[5]
     assert "random weights" not in "\n".join(lines)
     assert_check_lines(lines[6:8], chunk=24, chunks="3 to 7", steps=7, prefill_bound="0.001",
                        positions=448, argmax="448", verify_bound="0.001")

@@ -39,12 +39,17 @@ def _run_quick(out_dir):
 
 def test_prefill_bench_quick(tmp_path):
     out = _run_quick(tmp_path)
-    assert "Targets (ragged_paged_attention" in out
+    assert out.count("NOTE: this ran on cpu, not on a GPU: a smoke run.") == 1
+    assert "Targets (ragged_paged_attention): not evaluated on cpu (GPU targets)" in out
+    assert "missed" not in out and "0.00 TB/s" not in out
+    assert "decode kernel (paged_attention)" not in out and "ragged nvfp4 (impl=auto)" not in out
+    assert f"wrote {tmp_path / 'prefill_bench.json'}, {tmp_path / 'prefill_bench.md'}" in out
     table = out[out.index("| point | bound | method |"):]
     assert out.rstrip().endswith(table.rstrip())  # the table is printed last
     for point in QUICK_POINTS:
         rows = [line for line in table.splitlines() if line.startswith(f"| {point} |")]
-        for label in ("ragged nvfp4 (impl=auto)", "exact causal", "no mask over the same",
+        for label in ("ragged nvfp4 jnp path (impl=auto: no kernel on cpu)", "exact causal",
+                      "no mask over the same",
                       "chain glue", "floor: NVFP4 pages", "floor: FLOPs"):
             assert any(label in row for row in rows), (point, label, table)
 
@@ -71,8 +76,7 @@ def test_prefill_bench_quick(tmp_path):
         assert ragged[name]["vs_dense"] is not None
     for name in ("spec2x4", "spec2x8", "mixed2+2x16"):
         assert ragged[name]["x_ref"] is not None
-    assert [c["point"] for c in result["targets"]] == list(QUICK_POINTS)
-    assert all(c["status"] in ("met", "missed") for c in result["targets"])
+    assert result["targets"] == []            # GPU targets: test_targets_from_rows checks them
     assert (tmp_path / "prefill_bench.md").read_text().startswith("Targets")
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "prefill_bench.png").stat().st_size > 0

@@ -309,6 +309,44 @@ def test_checked_store_reports_a_scale_that_stores_only_zeros(scale_search):
     assert _run_checked(zero)[0] is None
 
 
+@pytest.mark.parametrize("scale_search", ("default", "4over6"))
+def test_checked_store_reports_an_inverted_scale(scale_search):
+    """k_scale = 448 / amax (the calibration upside down) stores Gaussian data with mostly
+    E4M3-subnormal block scales, not all zeros: reported by the count of such blocks."""
+    rng = np.random.default_rng(20)
+    key = rng.standard_normal((64, 2, 64)).astype(np.float32).astype(jnp.bfloat16)
+    value = (0.7 * rng.standard_normal((64, 2, 64))).astype(np.float32).astype(jnp.bfloat16)
+    case = sc.StoreCase(key, value, np.zeros(sc.cache_shape(8, 8, 2, 64, "HND"), np.uint8),
+                        np.arange(64, dtype=np.int32), sc.amax(key) / F32(448),
+                        sc.amax(value) / F32(448), num_blocks=8, block_size=8)
+    assert _run_checked(case, scale_search)[0] is None
+    for name, x in (("k_scale", key), ("v_scale", value)):
+        inverted = case.with_args(**{name: F32(448) / sc.amax(x)})
+        message, out = _run_checked(inverted, scale_search)
+        side = "key" if name == "k_scale" else "value"
+        assert message is not None, name
+        assert f"blocks of {side} get a subnormal E4M3 block scale" in message, message
+        assert f"{name} = " in message and "not 448 / amax" in message, message
+        # What it reports is real: most stored block scales are subnormal, some are not zero,
+        # and the read-back error is well above that of the calibrated scale.
+        side_index = 0 if name == "k_scale" else 1
+        scales = inverted.read(out, side_index)[1]
+        assert np.mean((scales & 0x78) == 0) > 0.5 and np.any(scales != 0)
+        errors = []
+        for c in (case, inverted):
+            k, v = jax_nvfp4.dequantize(sc.run_reference(c, scale_search), c.k_scale,
+                                        c.v_scale, dtype=jnp.float32)
+            back = np.asarray((k, v)[side_index]).reshape(-1, 2, 64)[:64]
+            errors.append(np.linalg.norm(back - x.astype(np.float32))
+                          / np.linalg.norm(x.astype(np.float32)))
+        assert errors[1] > 1.2 * errors[0], errors  # measured: 0.095 -> 0.14-0.17 (4over6:
+        #                                            0.087 -> 0.11-0.12)
+    # Eagerly it raises.
+    bad = case.with_args(k_scale=F32(448) / sc.amax(key))
+    with pytest.raises(checkify.JaxRuntimeError, match="subnormal E4M3 block scale"):
+        _checked_store(bad, scale_search)(*bad.args())
+
+
 def test_checked_readers_report_an_invalid_scale():
     case = _attention_case()
     q = case.query(8, jnp.float32)
@@ -348,6 +386,92 @@ def test_checked_grouped_store_reports_scales():
         store(key, key, case.grouped, slots, case.k_scale, jnp.float32(0))
     with pytest.raises(checkify.JaxRuntimeError, match="of key exceed"):
         store(key, key, case.grouped, slots, jnp.float32(1e-30), case.v_scale)
+
+
+# ------------------------------------------------------------------------- the scale's dtype
+# One rule (checks.as_scale), the same eagerly and under jit: any real number is taken as
+# float32. Before it, an eager np.float64 scale raised TypeError while under jit (which converts
+# NumPy float64 arguments to float32) it worked.
+
+
+def _scale_forms():
+    """A scale as a caller may hand it over, each with the float32 it stands for (0.013 is not
+    a float32: the float64 forms round)."""
+    value = 0.013
+    forms = {
+        "python float": value, "numpy float64": np.float64(value),
+        "numpy float64 (1,)": np.array([value], np.float64), "numpy float32": F32(value),
+        "numpy float16": np.float16(value), "jnp bfloat16": jnp.bfloat16(value),
+        "jnp float16 array": jnp.asarray(value, jnp.float16), "list": [value],
+        "python int": 1, "numpy int32": np.int32(1), "jnp int32 array": jnp.asarray(1, jnp.int32),
+    }
+    return {name: (x, F32(np.asarray(x, np.float64).reshape(())))
+            for name, x in forms.items()}
+
+
+def _dtype_rule_calls():
+    store_case = _in_range(_case())
+    read_case = _attention_case()
+    q = read_case.query(8, jnp.float32)
+
+    def store(fn, k):
+        return fn(*store_case.args()[:4], k, k, **sc.store_options(store_case))
+
+    def attend(fn, k):
+        return fn(*read_case.args(q)[:4], k, k, **read_case.options)
+
+    def deq(fn, k):
+        return fn(read_case.cache, k, k, **read_case.options, dtype=jnp.float32)
+
+    return {"reshape_and_cache": functools.partial(store, jax_nvfp4.reshape_and_cache),
+            "reference.reshape_and_cache": functools.partial(
+                store, jax_nvfp4.reference.reshape_and_cache),
+            "paged_attention": functools.partial(attend, jax_nvfp4.paged_attention),
+            "dequantize": functools.partial(deq, jax_nvfp4.dequantize),
+            "reshape_and_cache_grouped": lambda k: shd.reshape_and_cache_grouped(
+                *store_case.args()[:2], jnp.zeros((1,) + store_case.cache.shape, jnp.uint8),
+                store_case.slot_mapping, k, k, **sc.store_options(store_case))}
+
+
+def _same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        assert np.array_equal(np.asarray(x), np.asarray(y), equal_nan=True)
+
+
+def test_scale_dtype_rule_is_the_same_eagerly_and_under_jit():
+    """Each form gives what its float32 value gives (eagerly, through jit's boundary, and as a
+    constant under jit; each compared with the float32 scale run the same way: attention under
+    jit may round differently from attention op by op)."""
+    for where, call in _dtype_rule_calls().items():
+        for name, (scale, as_float32) in _scale_forms().items():
+            f32 = jnp.asarray(as_float32)
+            _same(call(scale), call(f32))
+            if not isinstance(scale, list):                            # jit takes no lists
+                _same(jax.jit(call)(scale), jax.jit(call)(f32))
+            _same(jax.jit(lambda: call(scale))(), jax.jit(lambda: call(f32))())
+
+
+def test_scale_dtype_rule_with_x64():
+    """With 64-bit types on, jit keeps a float64 scale float64: it is converted all the same."""
+    with sc.x64():
+        calls = _dtype_rule_calls()
+        for scale in (np.float64(0.013), jnp.asarray(0.013, jnp.float64)):
+            for where, call in calls.items():
+                f32 = jnp.asarray(0.013, jnp.float32)
+                _same(call(scale), call(f32))
+                _same(jax.jit(call)(scale), jax.jit(call)(f32))
+
+
+@pytest.mark.parametrize("bad", [True, np.bool_(False), jnp.asarray([True]), 1j,
+                                 np.complex64(1), "0.01", None])
+def test_scale_dtype_rule_refuses_what_is_not_a_real_number(bad):
+    for where, call in _dtype_rule_calls().items():
+        name = "k_scale"
+        with pytest.raises(TypeError, match=f"{name} must be a real number"):
+            call(bad)
+        if hasattr(bad, "dtype") and not isinstance(bad, str):
+            with pytest.raises(TypeError, match=f"{name} must be a real number"):
+                jax.jit(call)(bad)
 
 
 # ------------------------------------------------------------------------- scale_from_amax

@@ -310,3 +310,31 @@ def test_reference_under_jit_keeps_the_block_scale_product_order(scale_search):
     assert scales[0, 0, 0] == byte
     if scale_search == "default":
         assert byte == 0x62
+
+
+# ---------------------------------------------------------------------------------------------
+# The CPU kernel splits stores of more than 2^17 values into pieces run on XLA's thread pool
+# (ffi/store_cpu.cc): pieces of the flattened (layer, token) axis, cut wherever the count says,
+# so inside a layer and across layers. Each piece must write what the whole store writes.
+
+@pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_cpu_kernel_threaded_pieces_equal_reference(dtype, scale_search):
+    layers, tokens, heads, head_size = 3, 700, 4, 64   # 3 * 700 * 2 * 4 * 64 = 1.1M values
+    cases = [sc.make_case(300 + layer, num_tokens=tokens, num_kv_heads=heads, head_size=head_size,
+                          block_size=16, dtype=dtype, num_out_of_range=5)
+             for layer in range(layers)]
+    # One cache geometry for all layers (make_case sizes each cache for its own slots).
+    num_blocks = max(c.num_blocks for c in cases)
+    cases = [c.with_args(cache=np.random.default_rng(layer).integers(
+                 0, 256, sc.cache_shape(num_blocks, 16, heads, head_size, "HND"), np.uint8),
+                 num_blocks=num_blocks)
+             for layer, c in enumerate(cases)]
+    stacked = [np.stack([getattr(c, name) for c in cases])
+               for name in ("key", "value", "cache", "slot_mapping", "k_scale", "v_scale")]
+    store = jax.jit(jax.vmap(functools.partial(jax_nvfp4.reshape_and_cache,
+                                               scale_search=scale_search)))
+    out = np.asarray(store(*map(jnp.asarray, stacked)))
+    for layer, case in enumerate(cases):
+        sc.assert_cache_equal(case, out[layer], sc.run_reference(case, scale_search),
+                              f"layer {layer}: threaded kernel vs reference")
