@@ -16,7 +16,7 @@ cd "$ROOT" || exit 2
 
 PYTHON="${PYTHON:-python3}"
 DEFAULT_BUDGET=540          # seconds per part: one device call is limited to 10 minutes
-PROPERTY_EXAMPLES=20        # examples per property test in each round of the long profile
+PROPERTY_EXAMPLES=10        # examples per property test in each round of the long profile
 SOAK_STEPS=10000
 DRY_RUN=0
 PARTS_ARG="all"
