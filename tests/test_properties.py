@@ -1,4 +1,8 @@
-"""Property tests of the store (hypothesis): random valid geometries, inputs full of special
+"""Property tests (hypothesis) of the store and, at the end of the file, of the two readers
+(decode and ragged attention: the CUDA kernels against the jnp path within the measured bounds
+on a GPU, the jnp path against float64 on the CPU).
+
+The store: random valid geometries, inputs full of special
 values, slot mappings with padding and out-of-range slots; the kernel equals the jnp reference
 (run on the CPU) byte for byte on the whole cache, and every byte outside the stored (slot,
 head) positions is untouched.
@@ -17,7 +21,10 @@ Profiles (``JAX_NVFP4_HYPOTHESIS``, tests/conftest.py): ``ci`` (default: 30 exam
 derandomized, a bounded problem size: about a minute on 2 CPU cores) and ``long`` (2000
 examples, random, problems up to 5000 tokens x 64 heads; for a GPU machine:
 ``JAX_NVFP4_HYPOTHESIS=long pytest -q -m gpu tests/test_properties.py`` runs the GPU kernel
-against the CPU reference, and without ``-m gpu`` the CPU kernel too).
+against the CPU reference, and without ``-m gpu`` the CPU kernel too;
+``JAX_NVFP4_HYPOTHESIS_EXAMPLES`` sets its examples per test, which tests/gpu_checks.sh uses to
+run it in rounds within a time budget). The reader tests run fewer examples on CI (each
+compiles new shapes).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -222,3 +231,170 @@ def test_cpu_kernel_equals_reference(problem):
 @given(problems())
 def test_gpu_kernel_equals_reference(problem):
     _check(*_problem(problem), "gpu")
+
+
+# =============================================================================== readers
+# The decode reader (paged_attention) and the ragged reader over random geometries: head sizes
+# of the kernels, block sizes 4-128, 1-4 kv heads with GQA 1-16, both layouts and V-scale
+# orders, three q dtypes, sequences of 0 (and negative) length, one token, a page +-1, the
+# longest of the profile (4096 tokens in ``long``), padding columns in the block tables, junk
+# rows with NaN and large values in every row nobody attends to, invalid global scales (the
+# readers' NaN contract); ragged: 0 to 40 query tokens per sequence (decode tokens on the
+# decode kernel, few-row drafts, chunks, more queries than cached tokens), padding sequences
+# and tokens. At least one sequence attends to something (the bounds scale by its values).
+#
+# GPU: the CUDA kernels against the jnp path run on the CPU, within the measured bounds of
+# tests/test_decode_kernel.py. CPU: the jnp path against float64 attention over the
+# dequantised pages, within float32 arithmetic (the bounds of tests/test_attention.py).
+
+from jax_nvfp4.attention_primitive import KERNEL_HEAD_SIZES  # noqa: E402
+
+from attention_cases import Case, paged_attention_jit  # noqa: E402
+from ragged_cases import RaggedCase, ragged_jit  # noqa: E402
+from test_decode_kernel import (F32_LSE_ABS, assert_lse_close, assert_out_close,  # noqa: E402
+                                kernel_lse_tol)
+from test_ragged_attention import (F32_REL, assert_kernel_matches_jnp,  # noqa: E402
+                                   assert_matches_float64)
+
+#: Longest sequence and most cached tokens of one reader example; most ragged query tokens.
+MAX_LEN = {"long": 4096}.get(PROFILE, 300)
+MAX_CACHED = {"long": 20000}.get(PROFILE, 1200)
+MAX_QUERY_TOKENS = {"long": 1024}.get(PROFILE, 160)
+Q_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _reader_examples(ci):
+    """Examples of a reader test: ``ci`` on CI (each example compiles new shapes, ~2 s on 2
+    cores), the profile's count otherwise."""
+    return min(settings.default.max_examples, ci) if PROFILE == "ci" else \
+        settings.default.max_examples
+
+
+def _lengths(draw, block_size, count):
+    edges = (0, -1, 1, block_size - 1, block_size, block_size + 1, MAX_LEN)
+    lens = draw(st.lists(st.one_of(st.sampled_from(edges), st.integers(0, MAX_LEN)),
+                         min_size=count[0], max_size=count[1]))
+    lens[0] = max(lens[0], 1)                    # someone attends to something
+    total = 0
+    for i, n in enumerate(lens):                 # within the example's budget of tokens
+        lens[i] = min(n, MAX_CACHED - total)
+        total += max(lens[i], 0)
+    return lens
+
+
+@st.composite
+def reader_geometries(draw):
+    block_size = draw(st.sampled_from(range(4, 129, 4)))
+    num_kv_heads = draw(st.integers(1, 4))
+    return dict(block_size=block_size, head_size=draw(st.sampled_from(KERNEL_HEAD_SIZES)),
+                num_kv_heads=num_kv_heads, ratio=draw(st.sampled_from((1, 2, 3, 4, 8, 16))),
+                layout=draw(st.sampled_from(jax_nvfp4.LAYOUTS)),
+                v_scale_swizzle=draw(st.booleans()), q_dtype=draw(st.sampled_from(Q_DTYPES)),
+                junk=draw(st.booleans()), pad_columns=draw(st.integers(0, 3)),
+                seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@st.composite
+def decode_problems(draw):
+    geo = draw(reader_geometries())
+    geo["lens"] = _lengths(draw, geo["block_size"], (1, 6))
+    # Mostly valid; sometimes an invalid k_scale or v_scale (every output NaN).
+    geo["invalid_scale"] = draw(st.sampled_from((None,) * 6 + ("k", "v")))
+    return geo
+
+
+@st.composite
+def ragged_problems(draw):
+    geo = draw(reader_geometries())
+    lens = _lengths(draw, geo["block_size"], (1, 5))
+    q_lens = draw(st.lists(st.one_of(st.sampled_from((0, 1, 1, 4, 16)), st.integers(0, 40)),
+                           min_size=len(lens), max_size=len(lens)))
+    seqs, total = [], 0
+    for kv_len, q_len in zip(lens, q_lens):
+        q_len = min(q_len, max(kv_len, 0) + 2, MAX_QUERY_TOKENS - total)  # may pass kv_len
+        seqs.append((max(kv_len, 0), q_len))
+        total += q_len
+    geo.update(seqs=tuple(seqs), pad_seqs=draw(st.integers(0, 3)),
+               pad_tokens=draw(st.integers(0, 5)))
+    return geo
+
+
+def _decode_case(p):
+    note(f"decode problem {p}")
+    with jax.default_device(jax.devices("cpu")[0]):
+        case = Case(p["seed"] % 2**31, lens=p["lens"], num_kv_heads=p["num_kv_heads"],
+                    head_size=p["head_size"], layout=p["layout"],
+                    v_scale_swizzle=p["v_scale_swizzle"], block_size=p["block_size"],
+                    junk=p["junk"], pad_columns=p["pad_columns"])
+        q = case.query(p["num_kv_heads"] * p["ratio"], p["q_dtype"], seed=p["seed"] % 997)
+    args = list(case.args(q))
+    if p["invalid_scale"]:
+        args[4 if p["invalid_scale"] == "k" else 5] = jnp.float32(np.nan)
+    return case, q, args
+
+
+def _run_decode(args, case, device, impl):
+    out = paged_attention_jit(*jax.device_put(args, device), **case.options, return_lse=True,
+                              impl=impl)
+    return jax.device_get(out)
+
+
+def _assert_all_nan(*arrays):
+    for a in arrays:
+        assert np.isnan(np.asarray(a, np.float32)).all(), "an invalid scale must give NaN"
+
+
+@settings(**COMMON, max_examples=_reader_examples(8))
+@given(decode_problems())
+def test_cpu_decode_reader_matches_float64(problem):
+    case, q, args = _decode_case(problem)
+    out, lse = _run_decode(args, case, jax.devices("cpu")[0], "auto")
+    if problem["invalid_scale"]:
+        return _assert_all_nan(out, lse)
+    ref_out, ref_lse = case.reference(q, return_lse=True)
+    assert_out_close(out, ref_out, q.dtype, roundings=1, rel=F32_REL, l2=2e-6)
+    assert_lse_close(lse, ref_lse, F32_LSE_ABS)
+
+
+@pytest.mark.gpu
+@settings(**COMMON, max_examples=_reader_examples(8))
+@given(decode_problems())
+def test_gpu_decode_kernel_matches_jnp_path(problem):
+    case, q, args = _decode_case(problem)
+    ref = _run_decode(args, case, jax.devices("cpu")[0], "jnp")
+    out, lse = _run_decode(args, case, jax.devices("gpu")[0], "kernel")
+    if problem["invalid_scale"]:
+        return _assert_all_nan(out, lse, *ref)
+    assert_out_close(out, ref[0], q.dtype, roundings=2)
+    assert_lse_close(lse, ref[1], kernel_lse_tol(case, q))
+
+
+def _ragged_case(p):
+    note(f"ragged problem {p}")
+    with jax.default_device(jax.devices("cpu")[0]):
+        case = RaggedCase(p["seed"] % 2**31, p["seqs"], num_kv_heads=p["num_kv_heads"],
+                          head_size=p["head_size"], layout=p["layout"],
+                          v_scale_swizzle=p["v_scale_swizzle"], block_size=p["block_size"],
+                          pad_seqs=p["pad_seqs"], pad_tokens=p["pad_tokens"], junk=p["junk"],
+                          pad_columns=p["pad_columns"])
+        q = case.query(p["num_kv_heads"] * p["ratio"], p["q_dtype"], seed=p["seed"] % 991)
+    return case, q
+
+
+@settings(**COMMON, max_examples=_reader_examples(6))
+@given(ragged_problems())
+def test_cpu_ragged_reader_matches_float64(problem):
+    case, q = _ragged_case(problem)
+    with jax.default_device(jax.devices("cpu")[0]):
+        out, lse = jax.device_get(case.run(q, return_lse=True))
+    ref, ref_lse = case.reference(q, return_lse=True)
+    assert_matches_float64(out, ref, q.dtype, case.token_ends())
+    assert_lse_close(lse, ref_lse, F32_LSE_ABS)
+
+
+@pytest.mark.gpu
+@settings(**COMMON, max_examples=_reader_examples(6))
+@given(ragged_problems())
+def test_gpu_ragged_kernel_matches_jnp_path(problem):
+    case, q = _ragged_case(problem)
+    assert_kernel_matches_jnp(case, q, label=None)

@@ -2,8 +2,10 @@
 
 * Soak: 10^4 jitted decode steps, each a store (cache donated, new slots and key/value every
   step) and a read (paged_attention over the pages written so far), with no growth of the
-  process's resident memory or of the live device buffers between step 1000 and step 10^4;
-  likewise 10^3 steps of the checked store and reader under checkify. The numbers are printed
+  process's resident memory or of the live device buffers between step 1000 and step 10^4
+  (tests/device_soak.py, which tests/gpu_checks.sh runs on a GPU; its command line is tested
+  here in its quick mode); likewise 10^3 steps of the checked store and reader under
+  checkify. The numbers are printed
   (``pytest -s``) and recorded in TESTING.md.
 * Concurrency: several Python threads store at the same time into their own caches, with the
   same compiled store; each cache ends up with the jnp reference's bytes.
@@ -11,11 +13,12 @@
 
 from __future__ import annotations
 
-import functools
-import gc
 import os
+import pathlib
+import re
+import subprocess
+import sys
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,100 +28,67 @@ from jax.experimental import checkify
 
 import jax_nvfp4
 
+import device_soak
 import store_cases as sc
 
 STEPS = int(os.environ.get("JAX_NVFP4_SOAK_STEPS", 10_000))
 CHECKED_STEPS = max(STEPS // 10, 10)
-#: Largest growth allowed between the first measurement and the end (a leak of 1 KiB per
-#: call would be 20 MiB over 10^4 steps of two calls).
-MAX_RSS_GROWTH = 8 << 20
-
-BATCH, HEADS, Q_HEADS, D, BS, PAGES = 4, 2, 8, 64, 16, 8
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process (Linux /proc; elsewhere the peak from resource)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # pragma: no cover - not Linux
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _inputs(steps, seed=0):
-    """Per step: key/value [BATCH, HEADS, D], slots [BATCH] (one new token per sequence),
-    seq_lens [BATCH]; block tables [BATCH, PAGES] fixed."""
-    rng = np.random.default_rng(seed)
-    num_blocks = BATCH * PAGES
-    tables = rng.permutation(num_blocks).reshape(BATCH, PAGES).astype(np.int32)
-    capacity = PAGES * BS
-    pos = np.arange(steps) % capacity                                  # wraps: reuses slots
-    slots = tables[:, pos // BS].T * BS + (pos % BS)[:, None]          # [steps, BATCH]
-    lens = np.minimum(np.arange(steps) + 1, capacity)[:, None].repeat(BATCH, 1)
-    keys = rng.standard_normal((16, BATCH, HEADS, D)).astype(np.float32)  # cycled
-    return num_blocks, tables, slots.astype(np.int32), lens.astype(np.int32), keys
-
-
-def _measure(run_step, steps, warmup):
-    for i in range(warmup):
-        run_step(i)
-    jax.effects_barrier()
-    gc.collect()
-    rss0, live0 = rss_bytes(), len(jax.live_arrays())
-    t0 = time.perf_counter()
-    trace = []                                     # RSS every tenth of the run
-    every = max((steps - warmup) // 10, 1)
-    for i in range(warmup, steps):
-        run_step(i)
-        if (i - warmup) % every == every - 1:
-            trace.append(rss_bytes())
-    jax.effects_barrier()
-    gc.collect()
-    return dict(rss_before=rss0, rss_after=rss_bytes(), live_before=live0,
-                live_after=len(jax.live_arrays()), seconds=time.perf_counter() - t0,
-                steps=steps - warmup, trace=trace)
-
-
-def _report(name, m):
-    growth = m["rss_after"] - m["rss_before"]
-    print(f"\n{name}: {m['steps']} steps in {m['seconds']:.1f} s "
-          f"({1e6 * m['seconds'] / m['steps']:.0f} us/step); RSS {m['rss_before'] / 2**20:.1f} "
-          f"-> {m['rss_after'] / 2**20:.1f} MiB ({growth / 2**10:+.0f} KiB); live arrays "
-          f"{m['live_before']} -> {m['live_after']}; RSS every {m['steps'] // 10} steps "
-          f"(KiB over the first): {[(r - m['rss_before']) >> 10 for r in m['trace']]}")
-    return growth
+MAX_RSS_GROWTH = device_soak.MAX_RSS_GROWTH
+BATCH, HEADS, Q_HEADS, D, BS = (device_soak.BATCH, device_soak.HEADS, device_soak.Q_HEADS,
+                                device_soak.D, device_soak.BS)
 
 
 def test_soak_store_and_read():
-    num_blocks, tables, slots, lens, keys = _inputs(STEPS)
-    k_scale = v_scale = jnp.float32(4.0 / 448)
-    tables_d = jnp.asarray(tables)
-
-    @functools.partial(jax.jit, donate_argnums=(0,))
-    def step(cache, key, slots, lens, q):
-        cache = jax_nvfp4.reshape_and_cache(key, key * 0.5, cache, slots, k_scale, v_scale)
-        out = jax_nvfp4.paged_attention(q, cache, tables_d, lens, k_scale, v_scale)
-        return cache, out
-
-    state = dict(cache=jax_nvfp4.allocate_kv_cache(num_blocks, BS, HEADS, D))
-    q = jnp.asarray(np.random.default_rng(1).standard_normal((BATCH, Q_HEADS, D)), jnp.float32)
-    keys_d = jnp.asarray(keys, jnp.bfloat16)
-
-    def run_step(i):
-        state["cache"], out = step(state["cache"], keys_d[i % len(keys)], slots[i], lens[i], q)
-        if i % 100 == 99:
-            assert np.isfinite(np.asarray(out)).all()
-
-    m = _measure(run_step, STEPS, warmup=min(1000, STEPS // 2))
-    growth = _report("soak, store + paged_attention", m)
+    """The soak of tests/device_soak.py (the one tests/gpu_checks.sh runs on a GPU) on the CPU."""
+    m = device_soak.soak(jax.devices("cpu")[0], STEPS, warmup=min(1000, STEPS // 2))
+    device_soak.report("soak, store + paged_attention", m)
+    passed, line = device_soak.verdict(m)
+    print(line)
     assert m["live_after"] == m["live_before"], m
-    assert growth < MAX_RSS_GROWTH, m
+    assert m["rss_after"] - m["rss_before"] < MAX_RSS_GROWTH, m
+    assert passed, line
+
+
+def test_soak_script_quick_mode_prints_its_summary_line():
+    """``device_soak.py --quick`` (CPU, 60 steps) as a user runs it: exit status 0 and one
+    summary line with every measurement; an impossible bound makes it fail with status 1."""
+    script = pathlib.Path(__file__).with_name("device_soak.py")
+    done = subprocess.run([sys.executable, str(script), "--quick"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.startswith("soak: ")]
+    assert len(lines) == 1, done.stdout
+    assert re.fullmatch(r"soak: PASS 40 steps measured in [0-9.]+ s \([0-9]+ us/step\); device "
+                        r"bytes in use n/a -> n/a \(growth n/a, bound 1024 KiB\); host RSS "
+                        r"[0-9.]+ -> [0-9.]+ MiB \(growth -?[0-9]+ KiB, bound 8192 KiB\); live "
+                        r"arrays ([0-9]+) -> \1; final error [0-9.e+-]+", lines[0]), lines[0]
+    # A negative bound cannot hold (growth >= -RSS): the verdict must be able to fail.
+    done = subprocess.run([sys.executable, str(script), "--quick", "--max-rss-growth",
+                           str(-(1 << 40))], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "soak: FAIL" in done.stdout and "failed: host RSS grew" in done.stdout, done.stdout
+
+
+def test_soak_verdict_names_each_failure():
+    """The verdict of made-up measurements: each bound, the live arrays, finiteness and the
+    final error fail it on their own; the device line reads n/a where the backend has none."""
+    good = dict(rss_before=100 << 20, rss_after=101 << 20, live_before=7, live_after=7,
+                device_before=5 << 20, device_after=5 << 20, seconds=2.0, steps=1000, trace=[],
+                final_error=1e-4, finite=True)
+    assert device_soak.verdict(good)[0]
+    for change, words in [(dict(rss_after=120 << 20), "host RSS grew"),
+                          (dict(device_after=7 << 20), "device memory grew"),
+                          (dict(live_after=8), "live arrays changed"),
+                          (dict(finite=False), "non-finite output"),
+                          (dict(final_error=float("nan")), "differs from the jnp path")]:
+        passed, line = device_soak.verdict(dict(good, **change))
+        assert not passed and line.startswith("soak: FAIL") and words in line, (change, line)
+    passed, line = device_soak.verdict(dict(good, device_before=None, device_after=None))
+    assert passed and "device bytes in use n/a -> n/a (growth n/a" in line, line
 
 
 def test_soak_checked_store_and_read():
-    num_blocks, tables, slots, lens, keys = _inputs(CHECKED_STEPS, seed=2)
+    num_blocks, tables, slots, lens, keys = device_soak.inputs(CHECKED_STEPS, seed=2)
     k_scale = v_scale = jnp.float32(4.0 / 448)
     tables_d = jnp.asarray(tables)
 
@@ -142,8 +112,8 @@ def test_soak_checked_store_and_read():
         if i % 100 == 99:
             err.throw()
 
-    m = _measure(run_step, CHECKED_STEPS, warmup=CHECKED_STEPS // 2)
-    growth = _report("soak, checked store + checked paged_attention", m)
+    m = device_soak.measure(run_step, CHECKED_STEPS, warmup=CHECKED_STEPS // 2)
+    growth = device_soak.report("soak, checked store + checked paged_attention", m)
     assert m["live_after"] == m["live_before"], m
     assert growth < MAX_RSS_GROWTH, m
 

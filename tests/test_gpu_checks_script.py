@@ -1,0 +1,302 @@
+"""tests/gpu_checks.sh without a GPU, so that a typo does not cost a GPU session: its options,
+the commands of its dry run (files that exist, the sanitizers' environment, every GPU test
+file in one group per tool, pytest selections that collect), its refusal to run where no GPU
+is visible, and its run loop end to end with stand-ins for the GPU machine's Python and
+compute-sanitizer (summary lines, statuses, counts, timeouts, the log archive); and the
+sanitizer-log summary it prints (tests/sanitizer_log.py) on logs of both report formats.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tarfile
+
+import pytest
+
+import sanitizer_log
+from scripts import ROOT
+
+SCRIPT = ROOT / "tests" / "gpu_checks.sh"
+SCRIPT_TEST = "test_gpu_checks_script.py"
+TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+GROUPS = ("store", "decode", "ragged", "ragged-cases", "rest")
+SANITIZER_ENV = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "CUDA_MODULE_LOADING": "EAGER",
+                 "XLA_FLAGS": "--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0"}
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+def dry_run(*args):
+    done = run("--dry-run", *args)
+    assert done.returncode == 0, done.stderr
+    rows = [line.split("\t") for line in done.stdout.splitlines()]
+    assert all(len(r) == 3 for r in rows), done.stdout
+    return [(part, int(budget), shlex.split(command)) for part, budget, command in rows]
+
+
+def split_env(argv):
+    """(environment assignments, the rest) of an ``env A=B ... command`` argv."""
+    env = {}
+    if argv[0] == "env":
+        argv = argv[1:]
+        while "=" in argv[0] and not argv[0].startswith("-"):
+            key, value = argv.pop(0).split("=", 1)
+            env[key] = value
+    return env, argv
+
+
+def gpu_test_files():
+    """The test files that mark a test gpu (this file only names the marker)."""
+    return sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                  if p.name != SCRIPT_TEST and "pytest.mark.gpu" in p.read_text())
+
+
+# ------------------------------------------------------------------------------ options
+
+def test_help_and_list_name_every_part():
+    done = run("--help")
+    assert done.returncode == 0 and "Usage: tests/gpu_checks.sh" in done.stdout
+    parts = run("--list").stdout.split()
+    want = (["suite-gpu", "suite-cpu"] + [f"{t}:{g}" for t in TOOLS for g in GROUPS]
+            + ["initcheck-all:decode", "initcheck-all:store", "properties", "soak"])
+    assert parts == want
+    for word in ("suite-gpu", "initcheck-all", "properties", "soak", "--budget", "--dry-run",
+                 "--log-dir", "--parts", "10 minutes"):
+        assert word in done.stdout, word
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--parts", "memchek"], "unknown part 'memchek'"),
+    (["--parts", ""], "--parts is empty"),
+    (["--parts", "soak,,suite"], "empty entry"),
+    (["--budget", "0"], "--budget must be a positive number of seconds, got '0'"),
+    (["--budget", "ten"], "--budget must be a positive number of seconds"),
+    (["--budget", "soak=-1"], "--budget soak= needs a positive number of seconds"),
+    (["--budget", "soaq=60"], "--budget names an unknown part 'soaq'"),
+    (["--soak-steps", "1e4"], "--soak-steps must be a positive integer"),
+    (["--property-examples", "0"], "--property-examples must be a positive integer"),
+    (["--log-dir"], "--log-dir needs a value"),
+    (["--log-dir", "--parts", "soak"], "--log-dir needs a value"),
+    (["--frobnicate"], "unknown argument '--frobnicate'"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(args, words):
+    done = run("--dry-run", *args)
+    assert done.returncode == 2, done
+    assert words in done.stderr and done.stdout == "", done.stderr
+
+
+def test_part_groups_and_budgets():
+    rows = dry_run("--parts", "soak,memcheck,suite", "--budget", "300", "--budget",
+                   "memcheck=200", "--budget", "memcheck:rest=100")
+    assert [(p, b) for p, b, _ in rows] == (
+        [("suite-gpu", 300), ("suite-cpu", 300)] + [(f"memcheck:{g}", 200) for g in GROUPS[:-1]]
+        + [("memcheck:rest", 100), ("soak", 300)])
+    assert len(dry_run()) == len(run("--list").stdout.split())
+    assert [p for p, _, _ in dry_run("--parts", "initcheck-all,sanitizers,soak,soak")] == (
+        [f"{t}:{g}" for t in TOOLS for g in GROUPS]
+        + ["initcheck-all:decode", "initcheck-all:store", "soak"])
+
+
+# ---------------------------------------------------------------------------- dry run
+
+def test_dry_run_commands():
+    rows = dry_run("--soak-steps", "123", "--property-examples", "7")
+    groups = {}
+    for part, _, argv in rows:
+        env, argv = split_env(argv)
+        for arg in argv:                         # every file a command names exists
+            path = arg.split("=", 1)[-1]
+            if path.startswith("tests/"):
+                assert (ROOT / path).exists(), (part, path)
+        if ":" not in part:
+            assert "compute-sanitizer" not in " ".join(argv), part
+            continue
+        tool, group = part.split(":")
+        assert env == dict(SANITIZER_ENV, JAX_NVFP4_SANITIZER=tool.replace("-all", "")), part
+        assert argv[0].endswith("compute-sanitizer") and argv[1:5] == [
+            "--tool", tool.replace("-all", ""), "--error-exitcode", "99"], argv
+        filtered = argv[5:7] == ["--kernel-name", "kns=nvfp4"]
+        assert filtered == (tool != "initcheck-all"), part
+        program = argv[7 if filtered else 5:]
+        assert program[:2] == [sys.executable, "-P"], program
+        if group == "ragged-cases":
+            assert program[2:] == ["tests/ragged_sanitizer_cases.py"]
+            continue
+        assert program[2:8] == ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m"]
+        assert program[8] == "gpu", program
+        groups.setdefault(tool, {})[group] = program[9:]
+    by_part = {p: split_env(a)[1] for p, _, a in rows}
+    assert by_part["soak"][-4:] == ["--device", "gpu", "--steps", "123"]
+    env, argv = split_env(dict((p, a) for p, _, a in rows)["properties"])
+    assert env == {"JAX_NVFP4_HYPOTHESIS": "long", "JAX_NVFP4_HYPOTHESIS_EXAMPLES": "7"}
+    assert argv[-1] == "tests/test_properties.py" and "-m" in argv and "gpu" in argv
+    # Every GPU test file is in exactly one group of each tool (rest = tests minus the others).
+    files = gpu_test_files()
+    assert {"tests/test_store.py", "tests/test_decode_kernel.py",
+            "tests/test_properties.py"} <= set(files)
+    for tool in TOOLS:
+        named = [f for g in ("store", "decode", "ragged") for f in groups[tool][g]]
+        rest = groups[tool]["rest"]
+        assert rest[-1] == "tests"
+        ignored = [a.removeprefix("--ignore=") for a in rest[:-1]]
+        assert sorted(ignored) == sorted(named) and len(set(named)) == len(named), tool
+        assert set(named) <= set(files), tool
+    assert groups["initcheck-all"] == {"decode": ["tests/test_decode_kernel.py"],
+                                       "store": ["tests/test_store.py"]}
+
+
+def _collected(argv, env=None):
+    """Node ids pytest collects for a command's pytest arguments (which include -q)."""
+    done = subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+def test_dry_run_pytest_selections_collect():
+    """The pytest arguments of suite-gpu, memcheck:rest and properties, as printed, collect
+    GPU tests here (they are skipped only when run): no typo in a path, marker or option."""
+    rows = {p: split_env(a) for p, _, a in dry_run("--parts", "suite-gpu,memcheck:rest,"
+                                                    "properties")}
+    every = _collected(rows["suite-gpu"][1][rows["suite-gpu"][1].index("pytest") + 1:])
+    assert {i.split("::")[0] for i in every} == set(gpu_test_files())
+    env, argv = rows["memcheck:rest"]
+    rest = _collected(argv[argv.index("pytest") + 1:], env)
+    assert rest and {i.split("::")[0] for i in rest} == set(gpu_test_files()) - {
+        "tests/test_store.py", "tests/test_edge_values.py", "tests/test_scales.py",
+        "tests/test_inplace.py", "tests/test_roundtrip.py", "tests/test_numerics.py",
+        "tests/test_decode_kernel.py", "tests/test_ragged_attention.py"}
+    env, argv = rows["properties"]
+    props = _collected(argv[argv.index("pytest") + 1:], env)
+    assert props and all(i.startswith("tests/test_properties.py::test_gpu_") for i in props)
+
+
+# ------------------------------------------------------------------------ running it
+
+def test_refuses_quickly_where_no_gpu_is_visible(tmp_path):
+    done = run("--parts", "soak", "--log-dir", str(tmp_path), env={"JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 2, done
+    assert "gpu_checks: cannot run the GPU checks here: no GPU visible to JAX" in done.stderr
+    assert not (tmp_path / "summary.txt").exists()
+
+
+FAKE_PYTHON = """#!/bin/bash
+# The GPU machine's Python, as far as the preflight can tell; otherwise the real one.
+if [[ "$1" == -P && "$2" == -c ]]; then echo "jax 0.0, 1 x Fake GPU, jax_nvfp4 from here"; exit 0; fi
+exec {python} "$@"
+"""
+FAKE_SANITIZER = """#!/bin/bash
+# compute-sanitizer's options, then the program; reports FAKE_ERRORS errors.
+while [[ "$1" == --* ]]; do shift 2; done
+"$@"; rc=$?
+echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"
+if (( ${FAKE_ERRORS:-0} > 0 )); then exit 99; fi
+exit $rc
+"""
+
+
+@pytest.fixture
+def fake_machine(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(FAKE_PYTHON.format(python=sys.executable))
+    (bin_dir / "compute-sanitizer").write_text(FAKE_SANITIZER)
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    # JAX_PLATFORMS=cpu: the GPU tests skip here even on a GPU machine (suite-cpu runs this).
+    return dict(PYTHON=str(bin_dir / "python"), PATH=f"{bin_dir}:{os.environ['PATH']}",
+                JAX_PLATFORMS="cpu")
+
+
+def _summary(log_dir):
+    lines = (log_dir / "summary.txt").read_text().splitlines()
+    assert lines[0].startswith("gpu_checks ") and "commit " in lines[0]
+    assert lines[1] == "jax 0.0, 1 x Fake GPU, jax_nvfp4 from here"
+    assert lines[-1].startswith("summary: ")
+    return {line.split()[0]: line for line in lines[3:-1]}
+
+
+def test_run_loop_passes_and_archives_the_logs(tmp_path, fake_machine):
+    """A sanitizer part whose tests pass (skipped here) and whose tool reports 0 errors."""
+    out = tmp_path / "out"
+    done = run("--parts", "memcheck:ragged-cases", env=dict(fake_machine, OUT=str(out)),
+               timeout=300)
+    # ragged_sanitizer_cases.py needs a GPU: the fake machine's has none, so the part fails
+    # although the tool reported nothing, and the script says so.
+    assert done.returncode == 1, done
+    parts = _summary(out / "gpu_checks")
+    assert re.match(r"memcheck:ragged-cases +FAIL +\d+s  rc=1; errors=0 summaries=1 "
+                    r"by_kernel=-; ", parts["memcheck:ragged-cases"]), parts
+    done = run("--parts", "memcheck:store", "--log-dir", str(tmp_path / "logs"),
+               env=fake_machine, timeout=300)
+    assert done.returncode == 0, done
+    line = _summary(tmp_path / "logs")["memcheck:store"]
+    assert re.match(r"memcheck:store +PASS +\d+s  rc=0; errors=0 summaries=1 by_kernel=-; "
+                    r"\d+ skipped", line), line
+    assert line in done.stdout
+    with tarfile.open(tmp_path / "logs" / "logs.tar.gz") as tar:
+        names = [n for n in tar.getnames() if n.endswith(".log")]
+        assert names == ["./memcheck-store.log"], names
+        text = tar.extractfile(names[0]).read().decode()
+    assert "ERROR SUMMARY: 0 errors" in text and "--kernel-name kns=nvfp4" in text
+
+
+def test_run_loop_reports_errors_failures_and_timeouts(tmp_path, fake_machine):
+    done = run("--parts", "memcheck:store,soak,properties", "--budget", "soak=1",
+               "--budget", "properties=60", "--log-dir", str(tmp_path),
+               env=dict(fake_machine, FAKE_ERRORS="3"), timeout=600)
+    assert done.returncode == 1, done
+    parts = _summary(tmp_path)
+    assert re.match(r"memcheck:store +FAIL .* rc=99; errors=3 summaries=1 by_kernel=-; "
+                    r"sanitizer reported errors; \d+ skipped", parts["memcheck:store"]), parts
+    assert re.match(r"soak +TIMEOUT +[0-9]s  rc=124", parts["soak"]), parts
+    # The GPU property tests skip here, so every round passes; rounds stop before the budget.
+    props = parts["properties"]
+    assert re.match(r"properties +PASS +(\d+)s  (\d+) rounds passed of 10 examples per test "
+                    r"\(\+ corners\), longest round \d+s; last: \d+ skipped", props), props
+    assert int(props.split()[2].rstrip("s")) <= 60
+
+
+# ----------------------------------------------------------------- sanitizer log summary
+
+LOG = """========= COMPUTE-SANITIZER
+.....
+========= Uninitialized __global__ memory read of size 2 bytes
+=========     at void nvfp4::(anonymous namespace)::DecodeKernel<(int)128, (bool)1>(nvfp4::DecodeProblem)+0x6c30
+=========     by thread (3,0,0) in block (1,0,0)
+=========
+========= Uninitialized __global__ memory read of size 2 bytes
+=========     at void nvfp4::(anonymous namespace)::DecodeKernel<(int)64, (bool)0>(nvfp4::DecodeProblem)+0x7550 in /src/ffi/decode_cuda.cu:120
+=========     by thread (3,0,0) in block (1,0,0)
+========= Invalid __global__ read of size 4 bytes
+=========     at 0x70 in /src/ffi/store_cuda.cu:10:nvfp4::StoreKernel(int *)
+=========     by thread (0,0,0) in block (0,0,0)
+========= Uninitialized __global__ memory read of size 4 bytes
+=========     at loop_add_fusion+0x1f0
+========= Error: Race reported between Write access at void nvfp4::RaggedKernel<1>(P)+0x1b0 in ragged_cuda.cu:12
+=========     and Read access at void nvfp4::RaggedKernel<1>(P)+0x1e0 in ragged_cuda.cu:15 [4 hazards]
+========= ERROR SUMMARY: 4 errors
+.
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+
+
+def test_sanitizer_log_summary():
+    errors, summaries, by_kernel = sanitizer_log.summarize(LOG)
+    assert (errors, summaries) == (5, 2)
+    assert by_kernel == {"DecodeKernel": 2, "StoreKernel": 1, "loop_add_fusion": 1,
+                         "RaggedKernel": 1}
+    assert sanitizer_log.line(LOG) == ("errors=5 summaries=2 by_kernel=DecodeKernel:2,"
+                                       "StoreKernel:1,loop_add_fusion:1,RaggedKernel:1")
+    # A process killed before its summary: no summary line, nothing counted.
+    assert sanitizer_log.line(".....\n") == "errors=0 summaries=0 by_kernel=-"
+    assert sanitizer_log.line("========= ERROR SUMMARY: 0 errors\n") == (
+        "errors=0 summaries=1 by_kernel=-")
