@@ -49,7 +49,7 @@ class Data:
     before the step, each sequence's last position stored by the step) and per-layer queries;
     pages, slots and block tables shared by the layers (as a model's are)."""
 
-    def __init__(self, seed, layout="HND"):
+    def __init__(self, seed, layout="HND", groups=GROUPS):
         rng = np.random.default_rng(seed)
         self.layout = layout
         pages = rng.permutation(NUM_BLOCKS)[:len(LENS) * MAX_BLOCKS].reshape(len(LENS), -1)
@@ -67,7 +67,7 @@ class Data:
         self.v_scale = np.float32(np.abs(self.value.astype(np.float32)).max() / 448)
         self.last = np.cumsum(LENS) - 1
         self.history = np.setdiff1d(np.arange(tokens), self.last)
-        self.group_shape = shd.grouped_kv_cache_shape(GROUPS, NUM_BLOCKS, BLOCK_SIZE,
+        self.group_shape = shd.grouped_kv_cache_shape(groups, NUM_BLOCKS, BLOCK_SIZE,
                                                       NUM_KV_HEADS, HEAD_SIZE, layout)
         self.rng = rng
 
