@@ -35,6 +35,7 @@ def cases(mesh):
     from jax.sharding import PartitionSpec as P
 
     import test_stacked_layers_tp as t
+    from attention_cases import grouped_decode_step
 
     groups = mesh.shape["tp"]
     data = t.Data(seed=2026, groups=groups)
@@ -43,7 +44,7 @@ def cases(mesh):
     rest = (slots, data.tables, t.LENS, data.k_scale, data.v_scale)
     heads = P(None, None, "tp")
     small = (P(),) * len(rest)
-    vmapped = jax.vmap(t._layer_step("HND"), in_axes=(0, 0, 0, 0) + (None,) * len(rest))
+    vmapped = jax.vmap(grouped_decode_step("HND"), in_axes=(0, 0, 0, 0) + (None,) * len(rest))
     pool = np.ascontiguousarray(np.swapaxes(stacked, 0, 1)).reshape(
         (groups, LAYERS * t.NUM_BLOCKS) + data.group_shape[2:])
     return {

@@ -40,6 +40,7 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
+from attention_cases import grouped_decode_step
 from meshes import make_mesh
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 128, 16
@@ -226,13 +227,7 @@ def test_decode_step_in_place(count, groups, layout):
         case.key[history], case.value[history], cache, case.slots[history], case.k_scale,
         case.v_scale))
 
-    def step(q, key, value, kv_cache, slots, tables, lens, k_scale, v_scale):
-        kv_cache = shd.reshape_and_cache_grouped(key, value, kv_cache, slots, k_scale, v_scale,
-                                                 layout=layout)
-        out = shd.paged_attention_grouped(q, kv_cache, tables, lens, k_scale, v_scale,
-                                          layout=layout)
-        return out, kv_cache
-
+    step = grouped_decode_step(layout)
     args = (case.q, case.key[last], case.value[last], cache, case.slots[last], case.tables,
             case.lens, case.k_scale, case.v_scale)
     specs = (P(None, "tp"), P(None, "tp"), P(None, "tp"), P("tp")) + (P(),) * 5

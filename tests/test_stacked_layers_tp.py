@@ -34,6 +34,7 @@ from jax_nvfp4 import attention_primitive as ap
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
+from attention_cases import grouped_decode_step
 from meshes import make_mesh
 
 LAYERS, GROUPS, NUM_KV_HEADS, RATIO, HEAD_SIZE, BLOCK_SIZE = 2, 4, 8, 4, 128, 16
@@ -91,19 +92,6 @@ class Data:
         return self.q, self.key[:, last], self.value[:, last], self.slots[last]
 
 
-def _layer_step(layout):
-    """One layer's decode step: store the new tokens, attend over the grouped cache."""
-
-    def step(q, key, value, cache, slots, tables, lens, k_scale, v_scale):
-        cache = shd.reshape_and_cache_grouped(key, value, cache, slots, k_scale, v_scale,
-                                              layout=layout)
-        out = shd.paged_attention_grouped(q, cache, tables, lens, k_scale, v_scale,
-                                          layout=layout)
-        return out, cache
-
-    return step
-
-
 def _assert_outputs_equal(out, ref, mesh):
     """Sharded against single-device attention outputs (see the module docstring)."""
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -133,16 +121,6 @@ def _single_device(fn, mesh, args):
     return jax.tree.map(np.asarray, out)
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", before)
-
-
 # ---------------------------------------------------------------------------------------------
 # vmap over the layers of a stacked [L, G] or [G, L] cache.
 
@@ -168,7 +146,7 @@ def test_vmap_over_layers_in_place(partitioner, sharded, order, layout):
     cache = data.stacked_cache(order)
     q, key, value, slots = data.step_inputs()
     cache_axis = 0 if order == "LG" else 1         # the layers' axis of the cache
-    step = jax.vmap(_layer_step(layout), in_axes=(0, 0, 0, cache_axis) + (None,) * 5,
+    step = jax.vmap(grouped_decode_step(layout), in_axes=(0, 0, 0, cache_axis) + (None,) * 5,
                     out_axes=(0, cache_axis))
     args = (q, key, value, cache, slots, data.tables, LENS, data.k_scale, data.v_scale)
     heads = P(layer_axis, None, group_axis)            # q, key, value: [L, batch, heads, D]
@@ -185,7 +163,7 @@ def test_vmap_over_layers_in_place(partitioner, sharded, order, layout):
     # And each layer is the single-layer step on its own cache.
     for l in range(LAYERS):
         layer = (lambda x: x[l]) if order == "LG" else (lambda x: x[:, l])
-        one_out, one_cache = _single_device(_layer_step(layout), mesh,
+        one_out, one_cache = _single_device(grouped_decode_step(layout), mesh,
                                             (q[l], key[l], value[l], layer(cache)) + args[4:])
         np.testing.assert_array_equal(layer(ref_cache), one_cache)
         np.testing.assert_array_equal(ref_out[l], one_out)
@@ -258,7 +236,7 @@ def test_one_stacked_axis_for_the_kernel():
 
 def _pool_step(layout):
     """lax.scan over layers; the carry is the grouped page pool [G, L * num_blocks, ...]."""
-    layer_step = _layer_step(layout)
+    layer_step = grouped_decode_step(layout)
 
     def step(q, key, value, pool, slots, tables, lens, k_scale, v_scale):
         def body(pool, x):
@@ -277,7 +255,7 @@ def _pool_step(layout):
 
 def _loop_step(layout):
     """A Python loop over layers; one grouped cache per layer, all donated."""
-    layer_step = _layer_step(layout)
+    layer_step = grouped_decode_step(layout)
 
     def step(q, key, value, caches, slots, tables, lens, k_scale, v_scale):
         outs, new = [], []
@@ -321,7 +299,7 @@ def test_tensor_parallel_layers_recipe(partitioner, form, layout):
                        cache_shapes=[shape, local])
     # The same bytes and outputs as the vmapped step on one device, layer by layer.
     ref_out, ref_cache = _single_device(
-        jax.vmap(_layer_step(layout), in_axes=(0, 0, 0, 0) + (None,) * 5), mesh,
+        jax.vmap(grouped_decode_step(layout), in_axes=(0, 0, 0, 0) + (None,) * 5), mesh,
         (q, key, value, stacked) + args[4:])
     if form == "scan_pool":
         new = np.asarray(new_caches).reshape((GROUPS, LAYERS) + data.group_shape[1:])
@@ -338,3 +316,36 @@ def test_layer_block_tables():
                                   [[16, 19], [23, 17]])
     with pytest.raises(TypeError, match="block_tables"):
         shd.layer_block_tables(np.zeros((2, 2), np.float32), 0, 8)
+
+
+def test_decode_partitioning_rules_with_two_stacked_axes():
+    """The decode kernel's custom-partitioning rules (attention_primitive), read directly for
+    an [L, G] cache: each stacked axis follows the cache's sharding, one shared along an axis
+    is replicated there, the batch axis follows q unless its mesh axis is taken. (On the CPU
+    the reader is the jnp path, which custom_partitioning cannot wrap: these rules run end to
+    end around the CUDA kernel only.)"""
+    mesh = make_mesh((2, 2), ("l", "tp"))
+    L, G, B, M = 2, 4, 3, 5
+    shapes = [(L, G, B, 8, 64), (L, G, 30, 2, 2, 16, 36), (L, 1, B, M), (1, 1, B), (1, G),
+              (1, G), (1, 1)]
+    text, extra = ap._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
+                                                         for x in shapes], None)
+    assert text == (
+        "stack0 stack1 batch q_heads head_size, stack0 stack1 c_blocks c_side c_heads c_rows "
+        "c_f, stack0 t_one1 batch pages, l_one0 l_one1 batch, k_one0 stack1, v_one0 stack1, "
+        "s_one0 s_one1 -> stack0 stack1 batch q_heads head_size, stack0 stack1 batch q_heads")
+    assert not {"stack0", "stack1", "batch"} & set(extra["need_replication_factors"])
+    q_sharding = NamedSharding(mesh, P(None, None, "tp"))       # batch over "tp"
+    for cache_spec, stack, batch in ((P("l", "tp"), ("l", "tp"), None),
+                                     (P(None, "tp"), (None, "tp"), None),
+                                     (P("l"), ("l", None), "tp")):
+        operands, results = ap._plan("HND", shapes, q_sharding, NamedSharding(mesh, cache_spec))
+        assert tuple(operands[0]) == stack + (batch, None, None), cache_spec
+        assert tuple(operands[1]) == stack + (None,) * 5
+        assert tuple(operands[2]) == (stack[0], None, batch, None)
+        assert tuple(operands[4]) == (None, stack[1])
+        assert [tuple(r) for r in results] == [stack + (batch, None, None), stack + (batch, None)]
+    out = jax.ShapeDtypeStruct((L, G, B, 8, 64), jnp.float32,
+                               sharding=NamedSharding(mesh, P("l", None, None, "tp")))
+    keep = ap._propagate_user_sharding("HND", True, mesh, (out, None))   # heads not kept
+    assert [tuple(s.spec) for s in keep] == [("l", None, None, None, None), ("l", None, None, None)]
