@@ -223,3 +223,22 @@ def grouped_decode_step(layout):
         return out, cache
 
     return step
+
+
+#: Sharded against single-device decode outputs: on CPU devices (the jnp path) they differ by
+#: float32 rounding (the per-device dots have other shapes), relative to max|ref|; on GPUs both
+#: run the CUDA kernel, whose split-KV plan depends on the per-device shapes: they then differ
+#: at the kernel's fp16 level (the bound of tests/test_decode_kernel.py).
+SHARDED_RTOL = 1e-6
+SHARDED_KERNEL_ATOL = 4e-3
+
+
+def assert_sharded_close(out, ref, mesh):
+    """A sharded run's attention output ``out`` against the single-device ``ref`` on the same
+    platform as ``mesh`` (see SHARDED_RTOL)."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    atol = (SHARDED_KERNEL_ATOL if on_gpu else SHARDED_RTOL) * np.abs(ref).max()
+    np.testing.assert_allclose(out, ref, rtol=0 if on_gpu else SHARDED_RTOL, atol=atol)

@@ -7,10 +7,10 @@ decode step (README, "Many layers"): a Python loop over per-layer grouped caches
 Every case checks the compiled HLO (tests/hlo_checks.py): no collective at all, no op but the
 store writing a cache-sized uint8 array (global or per device), every store aliased to its
 cache operand and the donated caches aliased to the results; and the bytes: the cache equals a
-single-device run exactly. The attention outputs (float32 queries) are compared as in
-tests/test_attention_sharding.py: on CPU devices within float32 rounding (``rtol = atol / max|ref|
-= 1e-6``; the per-device dots have other shapes), on GPUs at the kernel's bound (its split-KV
-plans depend on the per-device shapes). Within one device, a layer of the vmapped step and the
+single-device run exactly. The attention outputs (float32 queries) are compared with
+``attention_cases.assert_sharded_close``: on CPU devices within float32 rounding (``rtol = atol /
+max|ref| = 1e-6``; the per-device dots have other shapes), on GPUs at the kernel's bound (its
+split-KV plans depend on the per-device shapes). Within one device, a layer of the vmapped step and the
 single-layer step give the same bits.
 
 Before the store took several stacked axes (main at d6a98f4) ``vmap`` over 2 layers of the
@@ -21,7 +21,6 @@ all-gathers), lost the input/output alias and returned the cache replicated; wit
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +33,13 @@ from jax_nvfp4 import attention_primitive as ap
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
-from attention_cases import grouped_decode_step
+from attention_cases import assert_sharded_close, grouped_decode_step
 from meshes import make_mesh
 
 LAYERS, GROUPS, NUM_KV_HEADS, RATIO, HEAD_SIZE, BLOCK_SIZE = 2, 4, 8, 4, 128, 16
 NUM_BLOCKS = 16                      # per layer; batch * max_blocks (12) differs: see hlo_checks
 LENS = np.array([1, 17, 33, 40], np.int32)
 MAX_BLOCKS = 3
-RTOL = 1e-6
-KERNEL_ATOL = 4e-3
 
 
 class Data:
@@ -90,16 +87,6 @@ class Data:
         """q, key, value [L, batch, H, D] of the new tokens; slots [batch]."""
         last = self.last
         return self.q, self.key[:, last], self.value[:, last], self.slots[last]
-
-
-def _assert_outputs_equal(out, ref, mesh):
-    """Sharded against single-device attention outputs (see the module docstring)."""
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert out.shape == ref.shape
-    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-    on_gpu = mesh.devices.flat[0].platform == "gpu"
-    atol = (KERNEL_ATOL if on_gpu else RTOL) * np.abs(ref).max()
-    np.testing.assert_allclose(out, ref, rtol=0 if on_gpu else RTOL, atol=atol)
 
 
 def _compile_and_run(fn, mesh, args, specs, donate):
@@ -159,7 +146,7 @@ def test_vmap_over_layers_in_place(partitioner, sharded, order, layout):
     assert new_cache.sharding.is_equivalent_to(NamedSharding(mesh, cache_spec), cache.ndim)
     ref_out, ref_cache = _single_device(step, mesh, args)
     np.testing.assert_array_equal(np.asarray(new_cache), ref_cache)
-    _assert_outputs_equal(out, ref_out, mesh)
+    assert_sharded_close(out, ref_out, mesh)
     # And each layer is the single-layer step on its own cache.
     for l in range(LAYERS):
         layer = (lambda x: x[l]) if order == "LG" else (lambda x: x[:, l])
@@ -198,7 +185,7 @@ def test_nested_vmap_ragged_reader_stacked_cache():
     for l in range(LAYERS):
         for g in range(GROUPS):
             one = _single_device(attend, mesh, (q[l, g], cache[l, g]))
-            _assert_outputs_equal(np.asarray(out)[l, g], one, mesh)
+            assert_sharded_close(np.asarray(out)[l, g], one, mesh)
 
 
 def test_one_stacked_axis_for_the_kernel():
@@ -307,7 +294,7 @@ def test_tensor_parallel_layers_recipe(partitioner, form, layout):
     else:
         for l in range(LAYERS):
             np.testing.assert_array_equal(np.asarray(new_caches[l]), ref_cache[l])
-    _assert_outputs_equal(out, ref_out, mesh)
+    assert_sharded_close(out, ref_out, mesh)
 
 
 def test_layer_block_tables():
