@@ -181,8 +181,9 @@ def _batch(args, dims, *, layout, scale_search, v_scale_swizzle):
     def per_member(x, d, tail_ndim):
         """``x`` ([*old, *tail], or [*tail] shared by the old stacked axes) with one row per
         member and stacked index: [*inner, *tail]."""
-        x = jnp.moveaxis(jnp.broadcast_to(x, (size,) + x.shape) if d is not_mapped else x,
-                         0 if d is not_mapped else d, 0)
+        if d is not_mapped:
+            x, d = jnp.broadcast_to(x, (size,) + x.shape), 0
+        x = jnp.moveaxis(x, d, 0)
         tail = x.shape[x.ndim - tail_ndim:]
         if x.ndim != 1 + len(old) + tail_ndim:  # shared by the old stacked axes
             x = x.reshape((size,) + (1,) * len(old) + tail)
