@@ -42,7 +42,7 @@ from attention_cases import Case, paged_attention_jit
 from meshes import make_mesh
 from ragged_cases import ragged_jit, shared_case
 from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
-                                assert_lse_close, assert_out_close, partitioner)  # noqa: F401
+                                assert_lse_close, assert_out_close)
 
 F32_REL = 4e-6
 F32_LSE_ABS = 2e-5
