@@ -3,7 +3,8 @@
 // validated, so that a malformed call returns an error instead of reading out of bounds.
 //
 // Operands (the primitive's canonical form, L = stacked layers or head groups, 1 for a plain
-// call): q [L, B, Hq, D] bf16/f16/f32; kv_cache [L, num_blocks, 2, ...] uint8 in either layout;
+// call; several stacked axes are flattened into L on the JAX side, per device:
+// attention_primitive.on_one_stacked_axis): q [L, B, Hq, D] bf16/f16/f32; kv_cache [L, num_blocks, 2, ...] uint8 in either layout;
 // block_tables [1 or L, B, M] and seq_lens [1 or L, B] int32; k_scale, v_scale, sm_scale float32
 // [1 or L]. Results: out [L, B, Hq, D] (q's dtype), lse [L, B, Hq] float32, and the split-KV
 // workspace partial_out [L, B, Hq, S, D], partial_lse [L, B, Hq, S] float32 (S = num_splits, or

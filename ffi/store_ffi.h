@@ -30,8 +30,10 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
   const auto key_dims = key.dimensions();
   const auto cache_dims = kv_cache.dimensions();
   const auto slot_dims = slot_mapping.dimensions();
-  const bool layered = key_dims.size() == 4;
-  if (key_dims.size() != 3 && !layered) return InvalidArgument("key must have rank 3 or 4");
+  // Any number of leading stacked axes (layers, head groups, both: nested vmap), the same on
+  // key, value and the cache; the kernels see them as one flat axis of num_layers members
+  // (row-major, so flattening is pure metadata: no byte moves, the cache stays aliased).
+  if (key_dims.size() < 3) return InvalidArgument("key must have rank 3 or more");
   if (cache_dims.size() != key_dims.size() + 2)
     return InvalidArgument("kv_cache rank does not match key rank");
   if (key.element_type() != value.element_type() ||
@@ -46,21 +48,28 @@ inline ffi::Error MakeStoreProblem(ffi::AnyBuffer key, ffi::AnyBuffer value,
       scale_search != int32_t(ScaleSearch::k4Over6))
     return InvalidArgument("unknown scale_search");
 
-  const size_t o = layered ? 1 : 0;  // offset of the per-layer axes
-  p->num_layers = layered ? key_dims[0] : 1;
+  const size_t o = key_dims.size() - 3;  // number of stacked axes: offset of the per-layer axes
+  p->num_layers = 1;
+  for (size_t i = 0; i < o; ++i) {
+    if (cache_dims[i] != key_dims[i])
+      return InvalidArgument("kv_cache stacked axes do not match key");
+    p->num_layers *= key_dims[i];
+  }
   p->num_tokens = key_dims[o];
-  // The cache: [num_layers,] num_blocks, then the page axes.
+  // The cache: [stacked axes...,] num_blocks, then the page axes.
   const std::string page_error =
       ReadPageGeometry(cache_dims, o + 1, layout, key_dims[o + 2], v_scale_swizzle, &p->page);
   if (!page_error.empty()) return InvalidArgument(page_error);
-  if ((layered && cache_dims[0] != p->num_layers) || p->page.num_kv_heads != key_dims[o + 1])
+  if (p->page.num_kv_heads != key_dims[o + 1])
     return InvalidArgument("kv_cache shape does not match key");
   if (kv_cache_out->element_count() != kv_cache.element_count())
     return InvalidArgument("output is not the size of kv_cache");
 
-  const bool per_layer_slots = slot_dims.size() == 2;
-  if (slot_dims.size() == 0 || slot_dims.size() > 2 || slot_dims.back() != p->num_tokens ||
-      (per_layer_slots && slot_dims[0] != p->num_layers))
+  // Slots shared by every member [num_tokens], or one row per member [stacked axes..., T].
+  const bool per_layer_slots = o > 0 && slot_dims.size() == o + 1;
+  bool slots_match = slot_dims.size() == 1 || per_layer_slots;
+  for (size_t i = 0; per_layer_slots && i < o; ++i) slots_match &= slot_dims[i] == key_dims[i];
+  if (!slots_match || slot_dims.back() != p->num_tokens)
     return InvalidArgument("slot_mapping shape does not match key");
   const int64_t num_k_scales = int64_t(k_scale.element_count());
   if (num_k_scales != int64_t(v_scale.element_count()) ||

@@ -1,6 +1,7 @@
 // The store of docs/format.md §5 for one 16-element block, shared by the CPU and CUDA kernels.
 //
-// A call may carry a leading layer axis (vmap over stacked per-layer caches): key/value
+// A call may carry leading stacked axes (vmap over stacked per-layer caches or head groups,
+// nested or not), seen here as one flat layer axis (store_ffi.h flattens them): key/value
 // [num_layers, num_tokens, num_kv_heads, head_size], kv_cache [num_layers, num_blocks, 2, ...],
 // slot_mapping and the global scales either shared by all layers or one per layer.
 #pragma once

@@ -35,11 +35,12 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
     cache; a new calibration means a new cache (or every row written again).
 
     Under a multi-device ``jit`` the store runs per shard, in place and with no collective,
-    when the cache is sharded along its ``num_blocks`` axis or a leading stacked axis (layers
-    under ``vmap``, head groups of :func:`jax_nvfp4.sharding.reshape_and_cache_grouped`, the
-    tensor-parallel form). A page holds all heads' data and then all heads' scales, so the head
-    axis of a plain cache cannot be split: a cache (or any operand) sharded along another axis
-    is gathered first: correct, not fast. See :mod:`jax_nvfp4.partitioning` (the rules) and
+    when the cache is sharded along its ``num_blocks`` axis or its leading stacked axes (layers
+    under ``vmap``, nested or not, head groups of
+    :func:`jax_nvfp4.sharding.reshape_and_cache_grouped`, the tensor-parallel form, or both).
+    A page holds all heads' data and then all heads' scales, so the head axis of a plain cache
+    cannot be split: a cache (or any operand) sharded along another axis is gathered first:
+    correct, not fast. See :mod:`jax_nvfp4.partitioning` (the rules) and
     :mod:`jax_nvfp4.sharding` (the head-grouped cache).
 
     Args:

@@ -1,22 +1,26 @@
 """Decode attention over an NVFP4 cache as a JAX primitive: abstract evaluation, lowering per
 platform, batching and partitioning rules, side by side.
 
-``decode_p`` works on one canonical form with a leading stacked axis ``L`` (layers or head
-groups; ``L = 1`` for a plain call):
+``decode_p`` works on one canonical form with leading stacked axes ``S = (S_0, ..., S_{n-1})``,
+``n >= 1`` (layers, head groups, both; ``S = (1,)`` for a plain call):
 
-* q ``[L, batch, num_q_heads, head_size]``, kv_cache ``[L, num_blocks, 2, ...]`` (uint8),
-* block_tables ``[1 or L, batch, max_blocks_per_seq]`` and seq_lens ``[1 or L, batch]`` (int32),
-* k_scale, v_scale, sm_scale: float32 ``[1 or L]``,
+* q ``[*S, batch, num_q_heads, head_size]``, kv_cache ``[*S, num_blocks, 2, ...]`` (uint8),
+* block_tables ``[*S', batch, max_blocks_per_seq]`` and seq_lens ``[*S', batch]`` (int32),
+* k_scale, v_scale, sm_scale: float32 ``[*S']``,
 
-and returns ``(out [L, batch, num_q_heads, head_size] in q's dtype, lse [L, batch, num_q_heads]
-float32)``. ``jax.vmap`` over layers or groups therefore stays one primitive, hence one launch.
+where each axis of ``S'`` is ``S_i`` or 1 (shared along that axis), and returns ``(out [*S,
+batch, num_q_heads, head_size] in q's dtype, lse [*S, batch, num_q_heads] float32)``.
+``jax.vmap`` over layers or groups, nested or not, therefore stays one primitive (one launch),
+each vmap adding a stacked axis where the cache has its members: no reshape, no transpose of
+the cache, so a sharded stacked axis stays where it is.
 
 Lowering: on CUDA, the fused kernel (``ffi/decode_cuda.cu``) behind the XLA FFI target
 ``jax_nvfp4_paged_attention`` for head sizes 64, 128 and 256 (other head sizes use the jnp path,
 or raise with ``impl="kernel"``); on every other platform the jnp path
 (:func:`jax_nvfp4.reference.paged_attention`). Under a multi-device ``jit`` the kernel call is
-wrapped in custom partitioning: the stacked axis (the cache's axis 0) and the batch axis split
-with no communication, every other axis is replicated. The cache is only read: no alias, no
+wrapped in custom partitioning: the stacked axes (the cache's leading axes) and the batch axis
+split with no communication, every other axis is replicated; per device the kernel sees the
+stacked axes as one (a row-major reshape of read-only operands: no copy). The cache is only read: no alias, no
 donation needed.
 """
 
@@ -75,7 +79,7 @@ def _abstract_eval(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_sca
     del kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout, v_scale_swizzle
     del impl
     out = jax.core.ShapedArray(q.shape, q.dtype)
-    lse = jax.core.ShapedArray(q.shape[:3], jnp.float32)
+    lse = jax.core.ShapedArray(q.shape[:-1], jnp.float32)
     return out, lse
 
 
@@ -97,16 +101,45 @@ def bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, *, lay
 
 
 def stacked_jnp(one, args):
-    """``one`` (the jnp path of one member: operands without the stacked axis -> ``(out,
-    lse)``) over a canonical form's stacked axis ``L``: operands with ``L`` leading rows are
-    mapped, those with one row are shared. Both attention primitives' jnp paths."""
+    """``one`` (the jnp path of one member: operands without the stacked axes -> ``(out,
+    lse)``) over a canonical form's stacked axes (q ``[*S, rows, Hq, D]``), one ``vmap`` per
+    axis: along each, operands with ``S_i`` rows are mapped, those with one are shared. Both
+    attention primitives' jnp paths."""
+    if args[0].ndim == 3:
+        return one(*args)
     stacked = args[0].shape[0]
     if stacked == 1:
-        out, lse = one(*(a[0] for a in args))
+        out, lse = stacked_jnp(one, [a[0] for a in args])
         return out[None], lse[None]
     in_axes = tuple(0 if a.shape[0] == stacked else None for a in args)
     args = tuple(a if axis == 0 else a[0] for a, axis in zip(args, in_axes))
-    return jax.vmap(one, in_axes=in_axes)(*args)
+    return jax.vmap(lambda *a: stacked_jnp(one, a), in_axes=in_axes)(*args)
+
+
+def on_one_stacked_axis(kernel_call):
+    """``kernel_call`` (an attention kernel's FFI call on the canonical form with one stacked
+    axis, ``(*operands, layout, v_scale_swizzle) -> (out, lse)``) for any number of stacked
+    axes: they are flattened into one (q and the cache row-major: a reshape, no copy; an
+    operand shared along some stacked axes but not all is broadcast, it is small) and the
+    results unflattened."""
+
+    def call(*args):
+        operands, params = args[:-2], args[-2:]
+        n = operands[0].ndim - 3
+        if n == 1:
+            return kernel_call(*args)
+        stacked = operands[0].shape[:n]
+
+        def flat(x):
+            if all(d == 1 for d in x.shape[:n]):
+                return x.reshape((1,) + x.shape[n:])
+            x = jnp.broadcast_to(x, stacked + x.shape[n:])
+            return x.reshape((-1,) + x.shape[n:])
+
+        out, lse = kernel_call(*(flat(x) for x in operands), *params)
+        return out.reshape(stacked + out.shape[1:]), lse.reshape(stacked + lse.shape[1:])
+
+    return call
 
 
 def _jnp_canonical(*args, layout, v_scale_swizzle):
@@ -122,9 +155,12 @@ def lowerings(op_name, canonical_jnp, kernel_call, partition):
     """The two lowering rules of an attention primitive whose operands start with q (head size
     last) and whose parameters are ``layout, v_scale_swizzle, impl``: the jnp path
     (``canonical_jnp(*operands, layout=, v_scale_swizzle=)``), and on CUDA the kernel
-    (``partition(kernel_call)(*operands, layout, v_scale_swizzle)``) for the head sizes it covers,
+    (``partition(kernel_call)(*operands, layout, v_scale_swizzle)``, ``kernel_call`` on one
+    stacked axis: :func:`on_one_stacked_axis`) for the head sizes it covers,
     the jnp path for the others. ``impl="kernel"`` makes a missing kernel an error naming
     ``op_name``. Returns ``(jnp_lowering, cuda_lowering)``."""
+
+    flat_call = on_one_stacked_axis(kernel_call)
 
     def jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
         if impl == "kernel":
@@ -146,7 +182,7 @@ def lowerings(op_name, canonical_jnp, kernel_call, partition):
                     + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
             return jnp_lowering(ctx, *args, layout=layout, v_scale_swizzle=v_scale_swizzle,
                                 impl="auto")
-        fun = lambda *a: partition(kernel_call)(*a, layout, v_scale_swizzle)  # noqa: E731
+        fun = lambda *a: partition(flat_call)(*a, layout, v_scale_swizzle)  # noqa: E731
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
     return jnp_lowering, cuda_lowering
@@ -284,65 +320,73 @@ def members_first(x, d, size):
 def empty_batch(q, dims):
     """The batching rules' answer for a vmap over zero members: empty results, no launch."""
     member = q.shape if dims[0] is _NOT_MAPPED else q.shape[:dims[0]] + q.shape[dims[0] + 1:]
-    return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:3], jnp.float32)),
+    return ((jnp.zeros((0,) + member, q.dtype), jnp.zeros((0,) + member[:-1], jnp.float32)),
             (0, 0))
 
 
-def bind_members_stacked(primitive, args, dims, size, stacked, **params):
-    """An attention primitive over vmap's ``size`` members, which join the canonical form's
-    stacked axis: ``[V, L, ...] -> [V*L, ...]`` for q and the cache (broadcast where shared),
-    and for every other operand unless one row serves every member and layer. One launch.
-    Returns the batching rule's ``((out, lse), (0, 0))``."""
+def num_stacked(q, dims) -> int:
+    """Stacked axes of an attention primitive's call before this vmap (q ``[*S, rows, Hq,
+    D]``, plus the member axis when q is batched)."""
+    return q.ndim - 3 - (dims[0] is not _NOT_MAPPED)
 
-    def join(x, d, shareable):
-        if shareable and d is _NOT_MAPPED and x.shape[0] == 1:
-            return x                                        # shared by every member and layer
-        x = members_first(x, d, size)
-        if x.shape[1] != stacked:                           # [V, 1, ...] shared by the layers
-            x = jnp.broadcast_to(x, (size, stacked) + x.shape[2:])
-        return x.reshape((size * stacked,) + x.shape[2:])
 
-    joined = [join(x, d, shareable=i >= 2) for i, (x, d) in enumerate(zip(args, dims))]
-    out, lse = primitive.bind(*joined, **params)
-    return (out.reshape((size, stacked) + out.shape[1:]),
-            lse.reshape((size, stacked) + lse.shape[1:])), (0, 0)
+def bind_members_stacked(primitive, args, dims, size, **params):
+    """An attention primitive over vmap's ``size`` members, which become one more stacked axis
+    of the canonical form: where the cache has them when that is among its stacked axes or
+    just after them (no byte of the cache moves), else first (a transpose). q and the cache
+    are broadcast where shared; every other operand shared by the members gets a size-1 axis
+    there (shared along it). One launch. Returns the batching rule's ``((out, lse), (at,
+    at))``."""
+    n = num_stacked(args[0], dims)
+    at = dims[1] if dims[1] is not _NOT_MAPPED and dims[1] <= n else 0
+
+    def put(x, d, shareable):
+        if d is _NOT_MAPPED:
+            if shareable:
+                return jnp.expand_dims(x, at)
+            x, d = jnp.broadcast_to(x, (size,) + x.shape), 0
+        return jnp.moveaxis(x, d, at)
+
+    out, lse = primitive.bind(*(put(x, d, shareable=i >= 2)
+                                for i, (x, d) in enumerate(zip(args, dims))), **params)
+    return (out, lse), (at, at)
 
 
 def _batch(args, dims, *, layout, v_scale_swizzle, impl):
-    """vmap over layers or head groups: the members join the stacked axis (one launch).
+    """vmap over layers or head groups, nested or not: the members become one more stacked
+    axis (one launch; :func:`bind_members_stacked`).
 
-    A batched cache (members along its axis ``d``, moved to the front: free for ``d = 0``, a
-    transpose otherwise) joins ``L``; q, block tables, lengths and scales follow it (broadcast
-    where shared; tables, lengths and scales stay shared when no member differs). A cache
-    shared by all members is not copied: the members become more sequences of the batch, which
-    needs the scales to be shared too (otherwise the cache is broadcast, one copy per member).
+    A batched cache keeps its members where they are when that is among its stacked axes
+    (or just after them), else they are moved first (a transpose); q, block tables, lengths
+    and scales follow it (broadcast where shared; tables, lengths and scales stay shared
+    along the new axis when no member differs). A cache shared by all members is not copied:
+    the members become more sequences of the batch, which needs the scales to be shared too
+    (otherwise the cache is broadcast, one copy per member).
     """
     q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale = args
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    # L of the unbatched canonical form: q's first axis other than the member axis.
-    stacked = q.shape[1 if dims[0] == 0 else 0]
+    n = num_stacked(q, dims)
     if size == 0:
         return empty_batch(q, dims)
     params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
 
     scales_batched = any(d is not _NOT_MAPPED for d in dims[4:])
     if dims[1] is _NOT_MAPPED and not scales_batched:
-        # Fold the members into the batch axis: [V, L, B, ...] -> [L, V*B, ...].
+        # Fold the members into the batch axis: [V, *S, B, ...] -> [*S, V*B, ...].
         def into_batch(x, d):
-            x = jnp.moveaxis(members_first(x, d, size), 0, 1)  # [L (or 1), V, B, ...]
-            return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+            x = jnp.moveaxis(members_first(x, d, size), 0, n)  # [*S (or ones), V, B, ...]
+            return x.reshape(x.shape[:n] + (x.shape[n] * x.shape[n + 1],) + x.shape[n + 2:])
 
         batch = q.shape[-3]
         q2, tables2, lens2 = (into_batch(x, d) for x, d in
                               ((q, dims[0]), (block_tables, dims[2]), (seq_lens, dims[3])))
         out, lse = decode_p.bind(q2, kv_cache, tables2, lens2, k_scale, v_scale, sm_scale,
                                  **params)
-        out = jnp.moveaxis(out.reshape((stacked, size, batch) + out.shape[2:]), 1, 0)
-        lse = jnp.moveaxis(lse.reshape((stacked, size, batch) + lse.shape[2:]), 1, 0)
-        return (out, lse), (0, 0)
+        unfold = lambda x: jnp.moveaxis(  # noqa: E731
+            x.reshape(x.shape[:n] + (size, batch) + x.shape[n + 1:]), n, 0)
+        return (unfold(out), unfold(lse)), (0, 0)
 
-    # Members join the stacked axis: [V, L, ...] -> [V*L, ...].
-    return bind_members_stacked(decode_p, args, dims, size, stacked, **params)
+    return bind_members_stacked(decode_p, args, dims, size, **params)
 
 
 batching.primitive_batchers[decode_p] = _batch
@@ -354,26 +398,30 @@ batching.primitive_batchers[decode_p] = _batch
 _SPLITTABLE = ("stack", "batch")
 
 
+def stacked_factors(q_shape, shape, name):
+    """Factor names of an operand's leading stacked axes: ``stack{i}`` where it has q's
+    ``S_i`` rows, ``{name}{i}`` (replicated) where it has one, shared."""
+    n = len(q_shape) - 3
+    return tuple(f"stack{i}" if shape[i] == q_shape[i] else f"{name}{i}" for i in range(n))
+
+
 def _factors(layout: str, shapes):
     """Factor names of every axis of the seven operands and two results."""
     q, cache, tables, lens, k_scale, v_scale, sm_scale = (tuple(s) for s in shapes)
-    stacked = q[0]
-
-    def lead(shape, name):
-        return "stack" if shape[0] == stacked else name
-
-    cache_axes = ("stack",) + tuple("c_" + a for a in _layout.CACHE_AXES[layout][:])
-    operands = (("stack", "batch", "q_heads", "head_size"), cache_axes,
-                (lead(tables, "t_one"), "batch", "pages"), (lead(lens, "l_one"), "batch"),
-                (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
-    return operands, (operands[0], operands[0][:3]), replicated_factors(operands, _SPLITTABLE)
+    lead = functools.partial(stacked_factors, q)
+    stack = lead(q, "")
+    cache_axes = stack + tuple("c_" + a for a in _layout.CACHE_AXES[layout][:])
+    operands = (stack + ("batch", "q_heads", "head_size"), cache_axes,
+                lead(tables, "t_one") + ("batch", "pages"), lead(lens, "l_one") + ("batch",),
+                lead(k_scale, "k_one"), lead(v_scale, "v_one"), lead(sm_scale, "s_one"))
+    return operands, (operands[0], operands[0][:-1]), replicated_factors(operands, _SPLITTABLE)
 
 
 def replicated_factors(operands, splittable):
     """The factors of ``operands`` (in order of first use: Shardy wants them sorted) that must
-    be replicated: all but ``splittable``."""
+    be replicated: all but ``splittable`` (stacked axes numbered: ``stack0``, ``stack1``...)."""
     used = dict.fromkeys(f for op in operands for f in op)
-    return tuple(f for f in used if f not in splittable)
+    return tuple(f for f in used if f.rstrip("0123456789") not in splittable)
 
 
 def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
@@ -388,21 +436,31 @@ def rule_text(operands, results) -> str:
             + ", ".join(" ".join(r) for r in results))
 
 
+def stacked_shardings(shapes, cache_sharding):
+    """The mesh axes of each stacked axis as the cache has them (never move the cache):
+    ``{"stack{i}": axes}``."""
+    n = len(shapes[0]) - 3
+    entries = _partitioning.spec_entries(cache_sharding, len(shapes[1]))[:n]
+    return {f"stack{i}": _partitioning.mesh_axes(e) for i, e in enumerate(entries)}
+
+
+def specs_of(kept, names):
+    """The PartitionSpec of an operand or result with these factor names: the kept factors'
+    mesh axes, the others replicated."""
+    return PartitionSpec(*(_partitioning.spec_entry(kept.get(f, ())) for f in names))
+
+
 def _plan(layout, shapes, q_sharding, cache_sharding):
-    """Specs of the operands and results: the stacked axis as the cache has it (never move the
-    cache), the batch axis as q has it, everything else replicated."""
+    """Specs of the operands and results: the stacked axes as the cache has them, the batch
+    axis as q has it, everything else replicated."""
     operands, results, _ = _factors(layout, shapes)
-    stack = _partitioning.mesh_axes(
-        _partitioning.spec_entries(cache_sharding, len(shapes[1]))[0])
-    batch = _partitioning.mesh_axes(_partitioning.spec_entries(q_sharding, len(shapes[0]))[1])
-    if set(stack) & set(batch):
+    kept = stacked_shardings(shapes, cache_sharding)
+    n = len(shapes[0]) - 3
+    batch = _partitioning.mesh_axes(_partitioning.spec_entries(q_sharding, len(shapes[0]))[n])
+    if set(batch) & {a for axes in kept.values() for a in axes}:
         batch = ()
-    kept = {"stack": stack, "batch": batch}
-
-    def spec(names):
-        return PartitionSpec(*(_partitioning.spec_entry(kept.get(f, ())) for f in names))
-
-    return [spec(op) for op in operands], [spec(r) for r in results]
+    kept["batch"] = batch
+    return [specs_of(kept, op) for op in operands], [specs_of(kept, r) for r in results]
 
 
 def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
@@ -416,8 +474,8 @@ def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
     del layout, v_scale_swizzle
     out = user_shape[0]
     entries = _partitioning.spec_entries(out.sharding, len(out.shape))
-    keep = PartitionSpec(entries[0], entries[1], None, None)
-    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:3])))
+    keep = PartitionSpec(*entries[:-2], None, None)  # the stacked axes and the batch axis
+    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:-1])))
 
 
 @functools.lru_cache(maxsize=None)
@@ -445,6 +503,7 @@ def partitioned(body):
 
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
-           "bind_members_stacked", "empty_batch", "lowerings", "members_first", "plan_splits",
-           "plan_splits_for_units", "replicated_factors", "rule_text", "split_kv_results",
-           "stacked_jnp"]
+           "bind_members_stacked", "empty_batch", "lowerings", "members_first", "num_stacked",
+           "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "replicated_factors",
+           "rule_text", "specs_of", "split_kv_results", "stacked_factors", "stacked_jnp",
+           "stacked_shardings"]

@@ -17,18 +17,22 @@ _SLOT_DTYPES = ("int32", "int64")
 
 
 def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layout,
-                     scale_search, v_scale_swizzle, num_layers: int | None = None):
+                     scale_search, v_scale_swizzle, stacked: tuple[int, ...] = ()):
     """Validates shapes and dtypes (anything with ``.shape`` and ``.dtype``).
 
-    With ``num_layers`` set, every per-layer operand may carry that leading axis (the batched
-    form the vmap rule binds); otherwise key/value are ``[num_tokens, num_kv_heads, head_size]``
-    and kv_cache is one layer's cache.
+    ``stacked`` is the shape of the leading stacked axes (layers, head groups, both: the
+    batched form the vmap rule binds); key/value are ``stacked + [num_tokens, num_kv_heads,
+    head_size]`` and kv_cache ``stacked`` + one layer's cache, slot_mapping ``[num_tokens]``
+    (shared) or ``stacked + [num_tokens]``, each scale one value (shared) or of shape
+    ``stacked``. With ``stacked=()`` (the public call) key/value are ``[num_tokens,
+    num_kv_heads, head_size]`` and kv_cache is one layer's cache.
 
     Returns the cache's ``CacheGeometry``. Raises ``TypeError`` for a wrong dtype and
     ``ValueError`` for a wrong shape or option.
     """
     check_options(layout=layout, scale_search=scale_search, v_scale_swizzle=v_scale_swizzle)
-    lead = 0 if num_layers is None else 1
+    stacked = tuple(stacked)
+    lead = len(stacked)
 
     for name, x in (("key", key), ("value", value)):
         if dtype_name(x.dtype) not in _FLOAT_INPUTS:
@@ -52,8 +56,9 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     if len(cache_shape) != 5 + lead:
         raise ValueError(f"kv_cache must have rank 5, {_layout.kv_cache_shape.__name__}(...) for "
                          f"layout {layout!r}, got shape {cache_shape}")
-    if lead and cache_shape[0] != num_layers:
-        raise ValueError(f"kv_cache leading (layer) axis {cache_shape[0]} != {num_layers}")
+    if cache_shape[:lead] != stacked:
+        raise ValueError(f"kv_cache leading (stacked) axes {cache_shape[:lead]} != key's "
+                         f"{stacked}")
     geometry = _layout.CacheGeometry.from_shape(cache_shape[lead:], layout)
     expected = _layout.kv_cache_shape(geometry.num_blocks, geometry.block_size, num_kv_heads,
                                       head_size, layout)
@@ -68,11 +73,11 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     if dtype_name(slot_mapping.dtype) not in _SLOT_DTYPES:
         raise TypeError(f"slot_mapping must be int32 or int64, got {dtype_name(slot_mapping.dtype)}")
     slot_shape = tuple(slot_mapping.shape)
-    if slot_shape not in ((num_tokens,),) + (((num_layers, num_tokens),) if lead else ()):
+    if slot_shape not in ((num_tokens,),) + ((stacked + (num_tokens,),) if lead else ()):
         raise ValueError(f"slot_mapping must have shape [num_tokens] = ({num_tokens},), "
                          f"got {slot_shape}")
 
-    layer_shapes = ((num_layers,),) if lead else ()
+    layer_shapes = (stacked,) if lead else ()
     check_scale(k_scale, "k_scale", layer_shapes)
     check_scale(v_scale, "v_scale", layer_shapes)
     return geometry

@@ -11,8 +11,10 @@ rest of the codes and every head's scales. So the store cannot be split along th
 axis without moving bytes between devices, and a cache sharded that way is gathered (correct,
 one all-gather of the cache per store: slow). What does split with no communication:
 
-* a leading stacked axis (the layers of a vmapped store, ``[L, num_blocks, 2, ...]``, and the
-  head *groups* of :mod:`jax_nvfp4.sharding`'s grouped cache): pass-through;
+* the leading stacked axes, any number of them (the layers of a vmapped store,
+  ``[L, num_blocks, 2, ...]``, the head *groups* of :mod:`jax_nvfp4.sharding`'s grouped cache,
+  both: ``[L, G, ...]`` or ``[G, L, ...]``): pass-through, each on its own mesh axis or
+  replicated;
 * the page axis ``num_blocks``: each device writes the slots that fall on its pages (the slots
   are shifted to the shard's first page; other slots write nothing there, like padding).
 
@@ -48,45 +50,51 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import layout as _layout
 
-#: Factors of the store that split with no communication.
+#: Factors of the store that split with no communication: every stacked axis (``layer0``,
+#: ``layer1``, ...: layers, head groups) and the page axis.
 SPLITTABLE = ("layer", "blocks")
+
+
+def splittable(factor: str) -> bool:
+    """Whether a factor of the store (:data:`SPLITTABLE`, stacked axes numbered) splits."""
+    return factor.rstrip("0123456789") in SPLITTABLE
 
 
 # ---------------------------------------------------------------------------------------------
 # The factors of the store's operands.
 
 
-def cache_axes(layout: str, layered: bool) -> dict[str, int]:
-    """Axis of each named cache axis: layer (if layered), blocks, side, heads, rows, f."""
-    o = 1 if layered else 0
-    axes = {name: o + i for i, name in enumerate(_layout.CACHE_AXES[layout])}
-    if layered:
-        axes["layer"] = 0
+def cache_axes(layout: str, num_stacked: int = 0) -> dict[str, int]:
+    """Axis of each named cache axis: the stacked axes ``layer0 .. layer{n-1}``, then blocks,
+    side, heads, rows, f."""
+    axes = {name: num_stacked + i for i, name in enumerate(_layout.CACHE_AXES[layout])}
+    axes.update({f"layer{i}": i for i in range(num_stacked)})
     return axes
 
 
 def _factors(layout: str, shapes: Sequence[Sequence[int]]):
     """Factor names of every axis of the six operands, and those that must be replicated.
 
-    A layered (vmapped) call has a rank-4 key ``[L, T, H, D]``; its slots are ``[T]`` (shared)
-    or ``[L, T]``, its scales of size 1 (shared) or ``[L]``.
+    A call with stacked axes S (vmapped, nested or not) has key ``[*S, T, H, D]``; its slots
+    are ``[T]`` (shared) or ``[*S, T]``, its scales of size 1 (shared) or of shape S.
     """
     key, _, _, slots, k_scale, v_scale = (tuple(s) for s in shapes)
-    layered = len(key) == 4
-    kv = (("layer",) if layered else ()) + ("tokens", "heads", "head_size")
-    axes = cache_axes(layout, layered)
+    stacked = key[:-3]
+    layers = tuple(f"layer{i}" for i in range(len(stacked)))
+    kv = layers + ("tokens", "heads", "head_size")
+    axes = cache_axes(layout, len(stacked))
     cache = tuple(sorted(axes, key=axes.get))
-    slot = ("layer", "tokens") if len(slots) == 2 else ("tokens",)
+    slot = layers + ("tokens",) if stacked and len(slots) == len(stacked) + 1 else ("tokens",)
 
     def scale(shape, name):
         if not shape:
             return ()
-        return ("layer",) if layered and shape[0] == key[0] else (name,)
+        return layers if stacked and shape == stacked else (name,)
 
     operands = (kv, kv, cache, slot, scale(k_scale, "k_one"), scale(v_scale, "v_one"))
     # In order of first use: Shardy wants special factors sorted by factor index.
     used = dict.fromkeys(f for op in operands for f in op)
-    replicated = tuple(f for f in used if f not in SPLITTABLE)
+    replicated = tuple(f for f in used if not splittable(f))
     return operands, replicated
 
 
@@ -143,7 +151,7 @@ def _plan(layout, shapes, cache_sharding):
     on the cache). Shard the small operands like the cache, or replicate them."""
     operands, _ = _factors(layout, shapes)
     entries = spec_entries(cache_sharding, len(operands[2]))
-    kept = {f: mesh_axes(e) for f, e in zip(operands[2], entries) if f in SPLITTABLE}
+    kept = {f: mesh_axes(e) for f, e in zip(operands[2], entries) if splittable(f)}
     specs = [PartitionSpec(*(spec_entry(kept.get(f, ())) for f in op)) for op in operands]
     return specs, kept
 
@@ -160,8 +168,7 @@ def _propagate_user_sharding(layout, scale_search, v_scale_swizzle, mesh, user_s
     """GSPMD: what the result's user wants, restricted to the axes the store can split."""
     del scale_search, v_scale_swizzle
     ndim = len(user_shape.shape)
-    axes = cache_axes(layout, layered=ndim == 6)
-    keep = {axes[f] for f in SPLITTABLE if f in axes}
+    keep = {i for f, i in cache_axes(layout, ndim - 5).items() if splittable(f)}
     entries = spec_entries(user_shape.sharding, ndim)
     return NamedSharding(mesh, PartitionSpec(*(e if i in keep else None
                                                for i, e in enumerate(entries))))
@@ -182,7 +189,7 @@ def _make_partition(bind_local):
         shapes = [a.shape for a in arg_shapes]
         specs, kept = _plan(layout, shapes, arg_shapes[2].sharding)
         arg_shardings = tuple(NamedSharding(mesh, s) for s in specs)
-        axes = cache_axes(layout, layered=len(shapes[0]) == 4)
+        axes = cache_axes(layout, len(shapes[0]) - 3)
         block_axes = kept.get("blocks", ())
 
         def lower_fn(key, value, kv_cache, slot_mapping, k_scale, v_scale):

@@ -50,8 +50,10 @@ store_p.def_impl(jax.jit(_bind_under_jit, static_argnames=("layout", "scale_sear
                                                              "v_scale_swizzle")))
 
 
-def _num_layers(key) -> int | None:
-    return key.shape[0] if len(key.shape) == 4 else None
+def _stacked(key) -> tuple[int, ...]:
+    """Shape of the leading stacked axes (layers, head groups) of a call: key is
+    ``[*stacked, num_tokens, num_kv_heads, head_size]``."""
+    return tuple(key.shape[:-3])
 
 
 @store_p.def_abstract_eval
@@ -59,7 +61,7 @@ def _abstract_eval(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, layo
                    scale_search, v_scale_swizzle):
     checks.check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, layout=layout,
                             scale_search=scale_search, v_scale_swizzle=v_scale_swizzle,
-                            num_layers=_num_layers(key))
+                            stacked=_stacked(key))
     # The result is the cache itself: same shape, dtype and (through .update) sharding.
     return kv_cache.update(shape=kv_cache.shape, dtype=kv_cache.dtype)
 
@@ -142,67 +144,62 @@ ad.primitive_jvps[store_p] = _jvp
 
 
 def _batch(args, dims, *, layout, scale_search, v_scale_swizzle):
-    """vmap over stacked layers: one launch for all of them, the cache updated in place.
+    """vmap over stacked layers or head groups, nested or not: one launch, in place.
 
-    Key, value and cache get a leading batch axis of size B (an unbatched cache is broadcast:
-    each member then updates its own copy, which is what vmap means; a cache batched along
-    another axis is transposed: a copy). Slots and scales stay shared when no member differs,
-    else they get one row per member (both scales, when either differs: the kernel reads them
-    with one stride). With the cache batched along axis 0 the single launch updates it in place.
+    The primitive takes any number of leading stacked axes, so vmap's members become one more
+    of them, with no reshape: a reshape of the aliased cache is free in memory, but XLA's copy
+    insertion does not see through it (it copied the cache in and out). The new axis goes
+    where the cache has its members when that is among its stacked axes or just after them
+    (so an ``[L, G, ...]`` cache vmapped over either axis, in either order, moves no byte);
+    otherwise first: an unbatched cache is broadcast (each member then updates its own copy,
+    which is what vmap means), a cache batched along a page axis is transposed (a copy).
 
-    A call that already carries a layer axis L (nested vmap) folds B and L into one axis. That
-    reshape is free in memory, but XLA's copy insertion does not see through a reshape of the
-    aliased operand: a nested vmap copies the cache once in and once out (measured; the
-    handler would need to accept several leading axes to avoid it).
+    Key and value follow the cache. Slots and scales stay shared when no member differs, else
+    they get one row per member and stacked index (both scales, when either differs: the
+    kernel reads them with one stride).
     """
     key, value, kv_cache, slot_mapping, k_scale, v_scale = args
     not_mapped = None  # what vmap passes for an unbatched argument
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not not_mapped)
-    layered = len(key.shape) - (dims[0] is not not_mapped) == 4
+    num_stacked = len(kv_cache.shape) - 5 - (dims[2] is not not_mapped)  # before this vmap
+    at = dims[2] if dims[2] is not not_mapped and dims[2] <= num_stacked else 0
 
-    def leading(x, d):
+    def put(x, d):
+        """x with the members on axis ``at`` (broadcast when shared)."""
         if d is not_mapped:
-            return jnp.broadcast_to(x, (size,) + x.shape)
-        return jnp.moveaxis(x, d, 0)
+            x = jnp.broadcast_to(x, (size,) + x.shape)
+            d = 0
+        return jnp.moveaxis(x, d, at)
 
     if size == 0:  # an empty batch stores nothing (and per-member shapes cannot be inferred)
-        return leading(kv_cache, dims[2]), 0
+        return put(kv_cache, dims[2]), at
 
-    key, value, kv_cache = (leading(x, d) for x, d in zip((key, value, kv_cache), dims[:3]))
-    num_layers = key.shape[1] if layered else None
-    out_shape = kv_cache.shape
+    key, value, kv_cache = (put(x, d) for x, d in zip((key, value, kv_cache), dims[:3]))
+    inner = tuple(kv_cache.shape[:num_stacked + 1])  # the stacked axes, members included
+    old = inner[:at] + inner[at + 1:]
 
-    def per_member(x, d, shared_ndim):
-        """x shared by all (returned as is) or [B, (L,) ...] folded to [B*L, ...]."""
-        if d is not_mapped and (not layered or x.ndim == shared_ndim):
-            return x
-        x = leading(x, d)
-        if layered and x.ndim == shared_ndim + 1:  # shared across the inner layers
-            x = jnp.broadcast_to(x[:, None], (size, num_layers) + x.shape[1:])
-        return x.reshape((-1,) + x.shape[2:]) if layered else x
-
-    slot_mapping = per_member(slot_mapping, dims[3], shared_ndim=1)
-
-    def scales(s, d):
+    def per_member(x, d, tail_ndim):
+        """``x`` ([*old, *tail], or [*tail] shared by the old stacked axes) with one row per
+        member and stacked index: [*inner, *tail]."""
         if d is not_mapped:
-            if s.size == 1:
-                return s  # shared by every member and layer
-            return jnp.broadcast_to(s, (size,) + s.shape).reshape(-1)  # per inner layer
-        s = jnp.moveaxis(s, d, 0).reshape(size, -1)  # [B, 1] or [B, L]
-        if layered and s.shape[1] == 1:
-            s = jnp.broadcast_to(s, (size, num_layers))
-        return s.reshape(-1)
+            x, d = jnp.broadcast_to(x, (size,) + x.shape), 0
+        x = jnp.moveaxis(x, d, 0)
+        tail = x.shape[x.ndim - tail_ndim:]
+        if x.ndim != 1 + len(old) + tail_ndim:  # shared by the old stacked axes
+            x = x.reshape((size,) + (1,) * len(old) + tail)
+        return jnp.moveaxis(jnp.broadcast_to(x, (size,) + old + tail), 0, at)
 
-    k_scale, v_scale = scales(k_scale, dims[4]), scales(v_scale, dims[5])
-    # The kernel reads both scales with one stride: one per layer for both, or one for all.
+    if dims[3] is not not_mapped or slot_mapping.ndim > 1:
+        slot_mapping = per_member(slot_mapping, dims[3], tail_ndim=1)
+    k_scale, v_scale = (s if d is not_mapped and s.size == 1 else per_member(s, d, tail_ndim=0)
+                        for s, d in ((k_scale, dims[4]), (v_scale, dims[5])))
+    # The kernel reads both scales with one stride: one per member for both, or one for all.
     if k_scale.size != v_scale.size:
-        k_scale, v_scale = (jnp.broadcast_to(s.reshape(-1), (max(k_scale.size, v_scale.size),))
-                            for s in (k_scale, v_scale))
-    if layered:
-        key, value, kv_cache = (x.reshape((-1,) + x.shape[2:]) for x in (key, value, kv_cache))
+        k_scale, v_scale = (jnp.broadcast_to(jnp.reshape(s, (1,) * len(inner)) if s.size == 1
+                                             else s, inner) for s in (k_scale, v_scale))
     out = store_p.bind(key, value, kv_cache, slot_mapping, k_scale, v_scale, layout=layout,
                        scale_search=scale_search, v_scale_swizzle=v_scale_swizzle)
-    return out.reshape(out_shape), 0
+    return out, at
 
 
 batching.primitive_batchers[store_p] = _batch

@@ -2,16 +2,16 @@
 per platform, batching and partitioning rules, side by side (the multi-token twin of
 attention_primitive.py).
 
-``ragged_p`` works on one canonical form with a leading stacked axis ``L`` (layers or head
-groups; ``L = 1`` for a plain call):
+``ragged_p`` works on one canonical form with leading stacked axes ``S`` (layers, head groups,
+both; ``S = (1,)`` for a plain call), as the decode primitive's (attention_primitive.py):
 
-* q ``[L, num_tokens, num_q_heads, head_size]``, kv_cache ``[L, num_blocks, 2, ...]`` (uint8),
-* block_tables ``[1 or L, max_num_seqs, max_blocks_per_seq]``, seq_lens ``[1 or L,
-  max_num_seqs]``, cu_q_lens ``[1 or L, max_num_seqs + 1]`` and num_seqs ``[1 or L]`` (int32),
-* k_scale, v_scale, sm_scale: float32 ``[1 or L]``,
+* q ``[*S, num_tokens, num_q_heads, head_size]``, kv_cache ``[*S, num_blocks, 2, ...]`` (uint8),
+* block_tables ``[*S', max_num_seqs, max_blocks_per_seq]``, seq_lens ``[*S', max_num_seqs]``,
+  cu_q_lens ``[*S', max_num_seqs + 1]`` and num_seqs ``[*S']`` (int32),
+* k_scale, v_scale, sm_scale: float32 ``[*S']``,
 
-and returns ``(out [L, num_tokens, num_q_heads, head_size] in q's dtype, lse [L, num_tokens,
-num_q_heads] float32)``.
+each axis of ``S'`` being ``S_i`` or 1 (shared along it), and returns ``(out [*S, num_tokens,
+num_q_heads, head_size] in q's dtype, lse [*S, num_tokens, num_q_heads] float32)``.
 
 Lowering: on CUDA the kernel of ``ffi/ragged_cuda.cu`` (FFI target
 ``jax_nvfp4_ragged_paged_attention``) for head sizes 64, 128 and 256; elsewhere, and for other
@@ -19,7 +19,7 @@ head sizes, the jnp path (:func:`jax_nvfp4.reference.ragged_paged_attention`). T
 call runs the decode kernel of ``ffi/decode_cuda.cu`` for the sequences that own one query token
 (:func:`plan_one_token_splits`), so a mixed batch's decode tokens cost what they cost in a
 decode step. Under a
-multi-device ``jit`` the kernel call is wrapped in custom partitioning: the stacked axis splits
+multi-device ``jit`` the kernel call is wrapped in custom partitioning: the stacked axes split
 with no communication, every other axis is replicated (the token axis cannot split on its own:
 a sequence's query tokens and its pages go together). The cache is only read.
 """
@@ -83,7 +83,7 @@ ragged_p.def_impl(jax.jit(_bind_under_jit, static_argnames=_STATIC))
 @ragged_p.def_abstract_eval
 def _abstract_eval(q, *args, layout, v_scale_swizzle, impl):
     del args, layout, v_scale_swizzle, impl
-    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(q.shape[:3], jnp.float32)
+    return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(q.shape[:-1], jnp.float32)
 
 
 def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
@@ -237,7 +237,6 @@ _NOT_MAPPED = None
 def _batch(args, dims, *, layout, v_scale_swizzle, impl):
     q = args[0]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    stacked = q.shape[1 if dims[0] == 0 else 0]
     params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
     if size == 0:
         return _decode.empty_batch(q, dims)
@@ -256,7 +255,7 @@ def _batch(args, dims, *, layout, v_scale_swizzle, impl):
         out, lse = jax.lax.map(one, [_decode.members_first(args[i], dims[i], size)
                                      for i in mapped])
         return (out, lse), (0, 0)
-    return _decode.bind_members_stacked(ragged_p, args, dims, size, stacked, **params)
+    return _decode.bind_members_stacked(ragged_p, args, dims, size, **params)
 
 
 batching.primitive_batchers[ragged_p] = _batch
@@ -270,17 +269,14 @@ _SPLITTABLE = ("stack",)
 
 def _factors(layout: str, shapes):
     q, cache, tables, lens, cu, num_seqs, k_scale, v_scale, sm_scale = (tuple(s) for s in shapes)
-    stacked = q[0]
-
-    def lead(shape, name):
-        return "stack" if shape[0] == stacked else name
-
-    cache_axes = ("stack",) + tuple("c_" + a for a in _layout.CACHE_AXES[layout])
-    operands = (("stack", "tokens", "q_heads", "head_size"), cache_axes,
-                (lead(tables, "t_one"), "seqs", "pages"), (lead(lens, "l_one"), "seqs"),
-                (lead(cu, "u_one"), "seqs_1"), (lead(num_seqs, "n_one"),),
-                (lead(k_scale, "k_one"),), (lead(v_scale, "v_one"),), (lead(sm_scale, "s_one"),))
-    return (operands, (operands[0], operands[0][:3]),
+    lead = functools.partial(_decode.stacked_factors, q)
+    stack = lead(q, "")
+    cache_axes = stack + tuple("c_" + a for a in _layout.CACHE_AXES[layout])
+    operands = (stack + ("tokens", "q_heads", "head_size"), cache_axes,
+                lead(tables, "t_one") + ("seqs", "pages"), lead(lens, "l_one") + ("seqs",),
+                lead(cu, "u_one") + ("seqs_1",), lead(num_seqs, "n_one"),
+                lead(k_scale, "k_one"), lead(v_scale, "v_one"), lead(sm_scale, "s_one"))
+    return (operands, (operands[0], operands[0][:-1]),
             _decode.replicated_factors(operands, _SPLITTABLE))
 
 
@@ -291,17 +287,12 @@ def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
 
 
 def _plan(layout, shapes, cache_sharding):
-    """Specs of the operands and results: the stacked axis as the cache has it (never move the
-    cache), everything else replicated."""
+    """Specs of the operands and results: the stacked axes as the cache has them (never move
+    the cache), everything else replicated."""
     operands, results, _ = _factors(layout, shapes)
-    stack = _partitioning.mesh_axes(
-        _partitioning.spec_entries(cache_sharding, len(shapes[1]))[0])
-
-    def spec(names):
-        return PartitionSpec(*(_partitioning.spec_entry(stack if f == "stack" else ())
-                               for f in names))
-
-    return [spec(op) for op in operands], [spec(r) for r in results]
+    kept = _decode.stacked_shardings(shapes, cache_sharding)
+    return ([_decode.specs_of(kept, op) for op in operands],
+            [_decode.specs_of(kept, r) for r in results])
 
 
 def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
@@ -314,8 +305,8 @@ def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
     del layout, v_scale_swizzle
     out = user_shape[0]
     entries = _partitioning.spec_entries(out.sharding, len(out.shape))
-    keep = PartitionSpec(entries[0], None, None, None)
-    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:3])))
+    keep = PartitionSpec(*entries[:-3], None, None, None)  # the stacked axes
+    return (NamedSharding(mesh, keep), NamedSharding(mesh, PartitionSpec(*keep[:-1])))
 
 
 @functools.lru_cache(maxsize=None)

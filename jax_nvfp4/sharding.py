@@ -22,12 +22,21 @@ that global array are then not those of a single-device store of it.)
 
 Many layers: vmap, or scan over a flat page pool
 -------------------------------------------------
-``jax.vmap`` of the store over stacked layers (``[L, ...]`` caches batched along axis 0) is one
-launch, in place. Inside ``lax.scan`` over layers, slicing layer ``l`` out of a stacked
-``[L, num_blocks, ...]`` carry and updating it back copies that layer's cache every step (the
-slice is a new buffer for XLA). Keep the layers' pages in one pool instead, a plain cache of
-``L * num_blocks`` blocks (layer ``l`` owns blocks ``l*num_blocks .. (l+1)*num_blocks - 1``), and
-store layer ``l`` with :func:`layer_slots`: the carry is then updated in place.
+The store and the readers take any number of leading stacked axes, so ``jax.vmap`` over
+stacked layers, nested or not, over ``[L, G, ...]`` or ``[G, L, ...]`` caches (layers and head
+groups), is one launch per device, in place, with no collective whichever of the leading axes
+is sharded: each vmap adds a stacked axis where the cache has its members, nothing is
+reshaped or transposed.
+
+A model's layers run one after the other, though. Inside ``lax.scan`` over layers, slicing
+layer ``l`` out of a stacked ``[L, ...]`` carry and updating it back copies that layer's cache
+every step (the slice is a new buffer for XLA). Keep the layers' pages in one pool instead: a
+cache of ``L * num_blocks`` blocks (layer ``l`` owns blocks ``l*num_blocks .. (l+1)*num_blocks -
+1``), grouped for tensor parallelism (:func:`grouped_kv_cache_shape` with ``L * num_blocks``
+blocks), store layer ``l`` with :func:`layer_slots` and read it with
+:func:`layer_block_tables`: the carry is then updated in place. A Python loop over the layers
+with one cache per layer (a tuple of grouped caches, donated) is in place too (README, "Many
+layers").
 """
 
 from __future__ import annotations
@@ -159,6 +168,23 @@ def layer_slots(slot_mapping, layer, num_blocks: int, block_size: int):
     shifted = slot_mapping + jnp.asarray(layer, dtype) * jnp.asarray(per_layer, dtype)
     valid = (slot_mapping >= 0) & (slot_mapping < per_layer)
     return jnp.where(valid, shifted, jnp.asarray(-1, dtype))
+
+
+def layer_block_tables(block_tables, layer, num_blocks: int):
+    """Block tables of layer ``layer`` in a page pool of ``num_layers * num_blocks`` blocks:
+    the reader's counterpart of :func:`layer_slots`.
+
+    ``block_tables`` holds one layer's page numbers (``0 .. num_blocks - 1``); the result
+    holds the same pages in layer ``layer``'s blocks of the pool (``layer`` may be traced).
+    Entries past a sequence's length are never read, whatever they hold.
+    """
+    num_blocks = _layout.check_int(num_blocks, "num_blocks")
+    block_tables = jnp.asarray(checks.host_integers(block_tables, "block_tables", jnp.int32))
+    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise TypeError(f"block_tables must be an integer array, got "
+                        f"{checks.dtype_name(block_tables.dtype)}")
+    dtype = block_tables.dtype
+    return block_tables + jnp.asarray(layer, dtype) * jnp.asarray(num_blocks, dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Shared data for the decode-attention tests (tests/test_attention.py,
 tests/test_decode_kernel.py): a filled NVFP4 cache with the exact K/V of every sequence, and the
-dense float64 reference attention.
+dense float64 reference attention; and the tensor-parallel decode step of one layer
+(:func:`grouped_decode_step`, tests/test_attention_sharding.py, tests/test_stacked_layers_tp.py).
 
 ``Case`` fills a cache with ``jax_nvfp4.reshape_and_cache`` from fresh random K/V (bf16, with
 outlier dims in K) through a random page assignment, optionally stores junk (large values, whole
@@ -207,3 +208,37 @@ def dense_reference(q, ks, vs, sm_scale=None, return_lse=False):
             out[b, i] = (p @ v[:, h]) / p.sum()
             lse[b, i] = s.max() + np.log(p.sum())
     return (out, lse) if return_lse else out
+
+
+def grouped_decode_step(layout):
+    """One layer's tensor-parallel decode step: store the new tokens' K/V into the head-grouped
+    cache, then attend over it. ``step(q, key, value, cache, slots, tables, lens, k_scale,
+    v_scale) -> (out, cache)``."""
+
+    def step(q, key, value, cache, slots, tables, lens, k_scale, v_scale):
+        cache = shd.reshape_and_cache_grouped(key, value, cache, slots, k_scale, v_scale,
+                                              layout=layout)
+        out = shd.paged_attention_grouped(q, cache, tables, lens, k_scale, v_scale,
+                                          layout=layout)
+        return out, cache
+
+    return step
+
+
+#: Sharded against single-device decode outputs: on CPU devices (the jnp path) they differ by
+#: float32 rounding (the per-device dots have other shapes), relative to max|ref|; on GPUs both
+#: run the CUDA kernel, whose split-KV plan depends on the per-device shapes: they then differ
+#: at the kernel's fp16 level (the bound of tests/test_decode_kernel.py).
+SHARDED_RTOL = 1e-6
+SHARDED_KERNEL_ATOL = 4e-3
+
+
+def assert_sharded_close(out, ref, mesh):
+    """A sharded run's attention output ``out`` against the single-device ``ref`` on the same
+    platform as ``mesh`` (see SHARDED_RTOL)."""
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
+    on_gpu = mesh.devices.flat[0].platform == "gpu"
+    atol = (SHARDED_KERNEL_ATOL if on_gpu else SHARDED_RTOL) * np.abs(ref).max()
+    np.testing.assert_allclose(out, ref, rtol=0 if on_gpu else SHARDED_RTOL, atol=atol)

@@ -62,3 +62,14 @@ def _default_device(request):
             yield
     else:
         yield
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs the test under Shardy (jax's default) and under GSPMD."""
+    before = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    try:
+        yield request.param
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)

@@ -40,14 +40,13 @@ import jax_nvfp4 as nv
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
+from attention_cases import assert_sharded_close, grouped_decode_step
 from meshes import make_mesh
 
 NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 128, 16
 #: ragged: one token, block_size - 1, block_size, several pages
 LENS = (1, BLOCK_SIZE - 1, BLOCK_SIZE, 3 * BLOCK_SIZE + 5, 2 * BLOCK_SIZE + 1)
 LAYOUTS = ("HND", "NHD")
-RTOL = 1e-6
-KERNEL_ATOL = 4e-3
 
 
 def _mesh(count):
@@ -122,19 +121,6 @@ def _on_device0(fn, mesh, *args):
     return jax.tree.map(np.asarray, out)
 
 
-def _assert_close(out, ref, mesh):
-    """On CPU devices (the jnp path) sharded and single-device outputs differ by float32
-    rounding; on GPUs both run the CUDA kernel, whose split-KV plan depends on the per-device
-    shapes: they then differ at the kernel's fp16 level (KERNEL_ATOL of max|ref|, the bound of
-    tests/test_decode_kernel.py)."""
-    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert out.shape == ref.shape
-    assert np.isfinite(ref).all() and np.abs(ref).max() > 0
-    on_gpu = mesh.devices.flat[0].platform == "gpu"
-    atol = (KERNEL_ATOL if on_gpu else RTOL) * np.abs(ref).max()
-    np.testing.assert_allclose(out, ref, rtol=0 if on_gpu else RTOL, atol=atol)
-
-
 # ---------------------------------------------------------------------------------------------
 # Reading the compiled HLO (tests/hlo_checks.py).
 #
@@ -198,7 +184,7 @@ def test_grouped_sharded_no_collectives(count, groups, layout):
     f = jax.jit(fn)
     hlo = f.lower(*placed).compile().as_text()
     out = f(*placed)
-    _assert_close(out, _on_device0(fn, mesh, *args), mesh)
+    assert_sharded_close(out, _on_device0(fn, mesh, *args), mesh)
     assert out.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "tp")), 3)
     local = _local(cache.shape, P("tp"), mesh)
     assert hc.collectives(hlo) == [], hc.collectives(hlo)
@@ -226,13 +212,7 @@ def test_decode_step_in_place(count, groups, layout):
         case.key[history], case.value[history], cache, case.slots[history], case.k_scale,
         case.v_scale))
 
-    def step(q, key, value, kv_cache, slots, tables, lens, k_scale, v_scale):
-        kv_cache = shd.reshape_and_cache_grouped(key, value, kv_cache, slots, k_scale, v_scale,
-                                                 layout=layout)
-        out = shd.paged_attention_grouped(q, kv_cache, tables, lens, k_scale, v_scale,
-                                          layout=layout)
-        return out, kv_cache
-
+    step = grouped_decode_step(layout)
     args = (case.q, case.key[last], case.value[last], cache, case.slots[last], case.tables,
             case.lens, case.k_scale, case.v_scale)
     specs = (P(None, "tp"), P(None, "tp"), P(None, "tp"), P("tp")) + (P(),) * 5
@@ -245,11 +225,11 @@ def test_decode_step_in_place(count, groups, layout):
     out, new_cache = f(*placed())
     ref_out, ref_cache = _on_device0(step, mesh, *args)
     np.testing.assert_array_equal(np.asarray(new_cache), ref_cache)
-    _assert_close(out, ref_out, mesh)
+    assert_sharded_close(out, ref_out, mesh)
     # The step's output is the attention over the full K/V (history + new token).
     full = _on_device0(functools.partial(shd.paged_attention_grouped, layout=layout), mesh,
                        *case.attention_args(case.grouped_cache(groups, layout)))
-    _assert_close(out, full, mesh)
+    assert_sharded_close(out, full, mesh)
     assert new_cache.sharding.is_equivalent_to(NamedSharding(mesh, P("tp")), 6)
 
     # One aliased store on the per-device cache; output 1 (the cache) is the donated
@@ -289,7 +269,7 @@ def test_plain_cache_head_sharded(count, layout):
     f = jax.jit(fn)
     hlo = f.lower(*placed).compile().as_text()
     out = f(*placed)
-    _assert_close(out, _on_device0(fn, mesh, *args), mesh)
+    assert_sharded_close(out, _on_device0(fn, mesh, *args), mesh)
     # Documented above, not asserted: XLA is free to choose how it communicates.
     print(f"{layout} x{count}: {dict(collections.Counter(hc.collectives(hlo)))}")
 

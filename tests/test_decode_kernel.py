@@ -394,7 +394,9 @@ def test_cpu_vmap_over_layers_equals_loop(shared_tables, shared_scales):
     batched = jax.vmap(one, in_axes=axes)
     eqns = _primitive_eqns(jax.make_jaxpr(batched)(*args).jaxpr)
     assert len(eqns) == 1, eqns
-    assert eqns[0].invars[1].aval.shape == (LAYERS,) + args[1].shape[1:]
+    # The members are one more stacked axis of the canonical form, next to the plain call's
+    # size-1 one: the cache itself, no reshape or copy of it.
+    assert eqns[0].invars[1].aval.shape == (LAYERS, 1) + args[1].shape[1:]
     out, lse = jax.jit(batched)(*args)
     loop_out, loop_lse = _loop(jax.jit(one), args, axes, LAYERS)
     assert_rows_close(out, loop_out)
@@ -553,15 +555,7 @@ def test_plan_splits_hand_checked():
 # ================================================================== multi-device (any)
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    """Runs the test under Shardy (jax's default) and under GSPMD."""
-    before = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    try:
-        yield request.param
-    finally:
-        jax.config.update("jax_use_shardy_partitioner", before)
+# (The partitioner fixture, Shardy and GSPMD, is tests/conftest.py's.)
 
 
 SHARDED_LENS = (1, 15, 16, 83, 40, 7, 100, 64)

@@ -125,7 +125,7 @@ def test_sharding_keeps_its_public_names():
 
     for name in ("SPLITTABLE", "partitioned_store", "grouped_kv_cache_shape", "split_heads",
                  "merge_heads", "reshape_and_cache_grouped", "dequantize_grouped",
-                 "layer_slots", "paged_attention_grouped"):
+                 "layer_slots", "layer_block_tables", "paged_attention_grouped"):
         assert callable(getattr(sharding, name)) or name == "SPLITTABLE", name
     assert sharding.partitioned_store is partitioning.partitioned_store
     assert sharding.SPLITTABLE == partitioning.SPLITTABLE == ("layer", "blocks")

@@ -42,7 +42,7 @@ from attention_cases import Case, paged_attention_jit
 from meshes import make_mesh
 from ragged_cases import ragged_jit, shared_case
 from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
-                                assert_lse_close, assert_out_close, partitioner)  # noqa: F401
+                                assert_lse_close, assert_out_close)
 
 F32_REL = 4e-6
 F32_LSE_ABS = 2e-5
@@ -349,10 +349,10 @@ def test_partitioning_rules_split_the_stacked_axis():
               (L,), (L,), (1,)]
     text, extra = rp._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
                                                          for x in shapes], None)
-    assert text == ("stack tokens q_heads head_size, stack c_blocks c_side c_heads c_rows c_f, "
-                    "t_one seqs pages, l_one seqs, u_one seqs_1, n_one, stack, stack, s_one -> "
-                    "stack tokens q_heads head_size, stack tokens q_heads")
-    assert "stack" not in extra["need_replication_factors"]
+    assert text == ("stack0 tokens q_heads head_size, stack0 c_blocks c_side c_heads c_rows c_f, "
+                    "t_one0 seqs pages, l_one0 seqs, u_one0 seqs_1, n_one0, stack0, stack0, "
+                    "s_one0 -> stack0 tokens q_heads head_size, stack0 tokens q_heads")
+    assert "stack0" not in extra["need_replication_factors"]
     assert set(extra["need_replication_factors"]) >= {"tokens", "seqs", "pages", "c_blocks"}
     operands, results = rp._plan("HND", shapes, NamedSharding(mesh, P("l")))
     assert [tuple(o) for o in operands] == [
@@ -361,6 +361,21 @@ def test_partitioning_rules_split_the_stacked_axis():
     assert [tuple(r) for r in results] == [("l", None, None, None), ("l", None, None)]
     operands, _ = rp._plan("HND", shapes, NamedSharding(mesh, P()))   # a replicated cache
     assert all(e is None for o in operands for e in o)
+    # Two stacked axes ([L, G] cache: nested vmap), the second one sharded; tables shared
+    # along it, scales per (layer, group).
+    G = 2
+    shapes = [(L, G, T, 8, 64), (L, G, 30, 2, 2, 16, 36), (L, 1, S, M), (1, 1, S),
+              (1, 1, S + 1), (1, 1), (L, G), (L, G), (1, 1)]
+    text, extra = rp._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
+                                                         for x in shapes], None)
+    assert text.startswith("stack0 stack1 tokens q_heads head_size, stack0 stack1 c_blocks ")
+    assert "stack0 t_one1 seqs pages" in text
+    assert not {"stack0", "stack1"} & set(extra["need_replication_factors"])
+    operands, results = rp._plan("HND", shapes, NamedSharding(mesh, P(None, "l")))
+    assert [tuple(o) for o in operands] == [
+        (None, "l", None, None, None), (None, "l") + (None,) * 5, (None,) * 4, (None,) * 3,
+        (None,) * 3, (None, None), (None, "l"), (None, "l"), (None, None)]
+    assert [tuple(r) for r in results] == [(None, "l", None, None, None), (None, "l", None, None)]
 
 
 def test_plan_splits():

@@ -192,7 +192,7 @@ def test_blocks_and_groups_on_a_2d_mesh():
 
 def _cache_spec(layout, **named):
     """Cache PartitionSpec with mesh axes on named cache axes (blocks, side, heads, rows, f)."""
-    axes = partitioning.cache_axes(layout, layered=False)
+    axes = partitioning.cache_axes(layout)
     entries = [None] * 5
     for name, mesh_axis in named.items():
         entries[axes[name]] = mesh_axis

@@ -1,0 +1,112 @@
+"""One process of tests/test_multiprocess.py: ``jax.distributed`` over local CPU processes,
+the tensor-parallel decode step of stacked layers on the global mesh, every addressable shard
+compared with the bytes of the same step run in a single process.
+
+Run as ``python multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID EXPECTED.npz``
+with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (N CPU devices per process).
+Prints one ``OK`` line and exits 0 when every shard matches; raises otherwise.
+
+The cases (also what the single-process side runs, :func:`cases`): a mesh ``("tp",)`` over
+every device of every process, G = the number of devices head groups, 2 layers;
+
+* ``vmap``: ``jax.vmap`` over the layers of the grouped store + attention, the ``[L, G, ...]``
+  cache sharded ``P(None, "tp")``;
+* ``scan``: ``lax.scan`` over the layers, the grouped page pool ``[G, L * num_blocks, ...]``
+  sharded ``P("tp")`` (tests/test_stacked_layers_tp.py, the README's recipe).
+
+Both with the cache donated: the compiled HLO must hold no collective and no cache copy here
+too (tests/hlo_checks.py).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYERS = 2
+
+
+def cases(mesh):
+    """``{name: (fn, args, specs, donate)}`` of the tensor-parallel steps on ``mesh`` (axis
+    ``"tp"``, whose size is the number of head groups)."""
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    import test_stacked_layers_tp as t
+    from attention_cases import grouped_decode_step
+
+    groups = mesh.shape["tp"]
+    data = t.Data(seed=2026, groups=groups)
+    stacked = data.stacked_cache("LG")
+    q, key, value, slots = data.step_inputs()
+    rest = (slots, data.tables, t.LENS, data.k_scale, data.v_scale)
+    heads = P(None, None, "tp")
+    small = (P(),) * len(rest)
+    vmapped = jax.vmap(grouped_decode_step("HND"), in_axes=(0, 0, 0, 0) + (None,) * len(rest))
+    pool = np.ascontiguousarray(np.swapaxes(stacked, 0, 1)).reshape(
+        (groups, LAYERS * t.NUM_BLOCKS) + data.group_shape[2:])
+    return {
+        "vmap": (vmapped, (q, key, value, stacked) + rest,
+                 (heads, heads, heads, P(None, "tp")) + small, (3,)),
+        "scan": (t._pool_step("HND"), (q, key, value, pool) + rest,
+                 (heads, heads, heads, P("tp")) + small, (3,)),
+    }
+
+
+def main(coordinator, num_processes, process_id, expected_path):
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
+                               initialization_timeout=120)
+    try:
+        run(expected_path)
+    finally:
+        jax.distributed.shutdown()
+
+
+def run(expected_path):
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+
+    sys.path.insert(0, HERE)
+    import hlo_checks as hc
+
+    assert jax.process_count() > 1, jax.process_count()
+    devices = jax.devices()
+    assert len(devices) > jax.local_device_count(), (devices, jax.local_devices())
+    mesh = Mesh(np.array(devices), ("tp",))
+    expected = np.load(expected_path)
+    checked = 0
+    for name, (fn, args, specs, donate) in cases(mesh).items():
+        def placed():
+            return [jax.make_array_from_callback(
+                        np.shape(a), NamedSharding(mesh, s),
+                        lambda index, a=a: np.asarray(a)[index]) for a, s in zip(args, specs)]
+
+        f = jax.jit(fn, donate_argnums=donate)
+        hlo = f.lower(*placed()).compile().as_text()
+        cache = args[3]
+        local = NamedSharding(mesh, specs[3]).shard_shape(np.shape(cache))
+        hc.assert_in_place(hlo, local, aliases={(1,): 3},
+                           cache_shapes=[np.shape(cache), local])
+        outputs = f(*placed())
+        for i, out in enumerate(outputs):
+            want = expected[f"{name}_{i}"]
+            assert out.shape == want.shape, (name, i, out.shape, want.shape)
+            assert out.sharding.is_equivalent_to(
+                NamedSharding(mesh, specs[0] if i == 0 else specs[3]), out.ndim), out.sharding
+            for shard in out.addressable_shards:
+                got = np.asarray(shard.data)
+                # Bytes: NaN == NaN, -0 != +0.
+                assert got.tobytes() == np.ascontiguousarray(want[shard.index]).tobytes(), (
+                    name, i, shard.index)
+                checked += 1
+    print(f"OK process {jax.process_index()}: {checked} shards equal", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
