@@ -250,7 +250,7 @@ def test_gpu_kernel_equals_reference(problem):
 from jax_nvfp4.attention_primitive import KERNEL_HEAD_SIZES  # noqa: E402
 
 from attention_cases import Case, paged_attention_jit  # noqa: E402
-from ragged_cases import RaggedCase, ragged_jit  # noqa: E402
+from ragged_cases import RaggedCase  # noqa: E402
 from test_decode_kernel import (F32_LSE_ABS, assert_lse_close, assert_out_close,  # noqa: E402
                                 kernel_lse_tol)
 from test_ragged_attention import (F32_REL, assert_kernel_matches_jnp,  # noqa: E402
