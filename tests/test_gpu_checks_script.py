@@ -191,6 +191,8 @@ def test_refuses_quickly_where_no_gpu_is_visible(tmp_path):
 FAKE_PYTHON = """#!/bin/bash
 # The GPU machine's Python, as far as the preflight can tell; otherwise the real one.
 if [[ "$1" == -P && "$2" == -c ]]; then echo "jax 0.0, 1 x Fake GPU, jax_nvfp4 from here"; exit 0; fi
+# A program named by FAKE_SLOW outlasts any budget (exec: the part's timeout kills it at once).
+if [[ -n "${{FAKE_SLOW:-}}" && "$*" == *"$FAKE_SLOW"* ]]; then exec sleep 300; fi
 exec {python} "$@"
 """
 FAKE_SANITIZER = """#!/bin/bash
@@ -252,7 +254,7 @@ def test_run_loop_passes_and_archives_the_logs(tmp_path, fake_machine):
 def test_run_loop_reports_errors_failures_and_timeouts(tmp_path, fake_machine):
     done = run("--parts", "memcheck:store,soak,properties", "--budget", "soak=1",
                "--budget", "properties=60", "--log-dir", str(tmp_path),
-               env=dict(fake_machine, FAKE_ERRORS="3"), timeout=600)
+               env=dict(fake_machine, FAKE_ERRORS="3", FAKE_SLOW="device_soak.py"), timeout=600)
     assert done.returncode == 1, done
     parts = _summary(tmp_path)
     assert re.match(r"memcheck:store +FAIL .* rc=99; errors=3 summaries=1 by_kernel=-; "
