@@ -229,14 +229,6 @@ __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int3
   *first = min(max(__ldg(cu), 0), num_tokens);
 }
 
-// What a CTA knows of its launch.
-struct RaggedGrid {
-  int32_t tile_slots;     // slots of query tiles; the rest zero the tokens nobody owns
-  FastDivmod num_kv_heads;
-  FastDivmod group;       // query heads per kv head
-  FastDivmod block_size;
-};
-
 // ------------------------------------------------------------------------------------------
 // One thread's (position, side, part) of a step: copied from the pages into a ring stage, then
 // converted to fp16 into the K/V buffer.

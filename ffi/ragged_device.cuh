@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "attention_device.cuh"
+#include "cuda_common.cuh"
 #include "ragged_ffi.h"
 #include "wgmma.cuh"
 
@@ -19,10 +20,19 @@ namespace {
 // with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192 where the
 // ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
 constexpr int32_t kFewRows = 16;
+constexpr int64_t kFewRowsMaxHead = 128;  // its largest head size
 __host__ __device__ __forceinline__ bool takes_few_rows(int32_t q_len, int32_t group,
                                                         int64_t head_size) {
-  return head_size <= 128 && q_len >= 2 && q_len <= kFewRows / group;
+  return head_size <= kFewRowsMaxHead && q_len >= 2 && q_len <= kFewRows / group;
 }
+
+// What a CTA of either kernel knows of its launch (the few-row kernel has no tile slots).
+struct RaggedGrid {
+  int32_t tile_slots;     // slots of query tiles; the rest zero the tokens nobody owns
+  FastDivmod num_kv_heads;
+  FastDivmod group;       // query heads per kv head
+  FastDivmod block_size;
+};
 
 // ------------------------------------------------------------------------------------------
 // Shared-memory fragment loads.

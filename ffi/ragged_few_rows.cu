@@ -98,16 +98,10 @@ __device__ __forceinline__ void store_v(const Chunk<kHead>& c, uint8_t* v_smem, 
   }
 }
 
-struct FewGrid {
-  FastDivmod num_kv_heads;
-  FastDivmod group;  // query heads per kv head
-  FastDivmod block_size;
-};
-
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
 // count, so that no loop over the rows branches).
 template <int kHead, bool kSwizzle, Layout kLayout, int kNT>
-__device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const FewGrid& grid,
+__device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const RaggedGrid& grid,
                                                 int32_t b, int32_t kv_head, int32_t member,
                                                 int32_t split, int32_t start, int32_t q_len) {
   using S = Shape<kHead>;
@@ -426,7 +420,7 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Fe
 
 template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, 3)
-    FewRowsKernel(const RaggedProblem p, const FewGrid grid) {
+    FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   const int lane = threadIdx.x & 31;
   uint32_t head;
   const int32_t b = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
@@ -453,9 +447,9 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   constexpr auto kernel = FewRowsKernel<kHead, kSwizzle, kLayout>;
   const cudaError_t configured = ConfigureSharedMemory<kernel>(FewShape<kHead>::kSmemBytes);
   if (configured != cudaSuccess) return configured;
-  const FewGrid grid{FastDivmod(uint32_t(p.page.num_kv_heads)),
-                     FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
-                     FastDivmod(uint32_t(p.page.block_size))};
+  const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
+                        FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
+                        FastDivmod(uint32_t(p.page.block_size))};
   const dim3 blocks(uint32_t(int64_t(p.max_num_seqs) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, FewShape<kHead>::kSmemBytes, stream>>>(p, grid);
@@ -465,11 +459,11 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
 }  // namespace
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
-  if (p.page.head_size > 128 || p.max_num_seqs == 0) return cudaSuccess;
+  if (p.max_num_seqs == 0) return cudaSuccess;
   return WithHeadSize(
       p.page.head_size,
       [&](auto head) {
-        if constexpr (decltype(head)::value > 128) {
+        if constexpr (decltype(head)::value > kFewRowsMaxHead) {  // not the kernel's
           return cudaSuccess;
         } else {
           return WithPageOptions(p.page, [&](auto swizzle, auto layout) {

@@ -55,8 +55,10 @@ KV_TILE = 64
 #: CTAs per SM when the GPU cannot be asked (shared memory decides: ffi/ragged_cuda.cu).
 _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
-#: takes (ffi/ragged_device.cuh, kFewRows), and its CTAs per SM (its launch bounds).
+#: takes, its largest head size (ffi/ragged_device.cuh, kFewRows, kFewRowsMaxHead), and its
+#: CTAs per SM (its launch bounds).
 FEW_ROWS = 16
+FEW_ROWS_MAX_HEAD_SIZE = 128
 _FEW_ROWS_CTAS_PER_SM = 3
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
@@ -145,14 +147,14 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     the query tokens fall into sequences is only known on the device), each over up to
     ``max_tokens`` positions, or, when the tokens are few enough for every sequence to have at
     most ``FEW_ROWS`` query rows per kv head (speculative decoding), as one CTA of the few-row
-    kernel per (sequence, kv head) at that kernel's occupancy; :func:`jax_nvfp4.attention_primitive.plan_splits_for_units` picks
-    the splits. Few tiles over long contexts (speculative decoding, small batches) split;
+    kernel per (sequence, kv head) at that kernel's occupancy;
+    :func:`jax_nvfp4.attention_primitive.plan_splits_for_units` picks the splits. Few tiles over long contexts (speculative decoding, small batches) split;
     prefill chunks fill the GPU with tiles and do not. The partial results of the splits
     (float32 ``[L, num_tokens, num_q_heads, splits, head_size]``) are kept under
     ``MAX_WORKSPACE_BYTES``, and members x splits under ``MAX_GRID_Z``.
     """
     group = num_q_heads // num_kv_heads
-    if head_size <= 128 and num_tokens * group <= max_num_seqs * FEW_ROWS:
+    if head_size <= FEW_ROWS_MAX_HEAD_SIZE and num_tokens * group <= max_num_seqs * FEW_ROWS:
         # Few tokens per sequence on average (speculative decoding): the work is the few-row
         # kernel's, a CTA per (sequence, kv head) at its own occupancy.
         units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, _FEW_ROWS_CTAS_PER_SM
