@@ -7,7 +7,8 @@
 // In ragged mode (DecodeProblem::cu_q_lens) the same kernels take the sequences of a ragged call
 // that own one query token (ragged_cuda.cu launches them), q and out rows being tokens.
 //
-// Per chunk, on the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate):
+// Per chunk, on the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate; the warp's
+// loop is chunk_attention.cuh's, with one n-tile):
 //   S^T = K Q^T   tokens in M (16 per tile), head dims in K, query heads in N (8),
 //   O^T += V^T P^T  head dims in M, tokens in K, query heads in N.
 // K and V never leave registers: each lane loads the code bytes its MMA fragments need and
@@ -28,6 +29,7 @@
 #include <cstdint>
 
 #include "attention_device.cuh"
+#include "chunk_attention.cuh"
 #include "cuda_common.cuh"
 #include "decode_ffi.h"
 #include "handlers.h"
@@ -36,8 +38,7 @@
 namespace nvfp4 {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
+constexpr int kThreads = kChunkWarps * 32;
 // CTAs per SM for head sizes 64 and 128 (measured on an H200, 2026-11-30: 3 CTAs, 168
 // registers, 442 us at batch 32 x 32768; 4 CTAs spill at 128 registers and take 660 us). To
 // measure another value: -DNVFP4_DECODE_MIN_CTAS=N in CMAKE_CUDA_FLAGS.
@@ -51,149 +52,6 @@ constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA'
 // thread; head size 256 needs more registers).
 template <int kHead>
 constexpr int kMinCtasPerSm = kHead >= 256 ? 2 : NVFP4_DECODE_MIN_CTAS;
-
-// The online-softmax state of one warp: query heads 2q and 2q+1 of this lane (columns of the
-// MMA's N), running max m (log2 units, the same in every lane of a column), the lane's part
-// of the running sum l, and the O^T accumulators (m-tile t: rows g and g+8 are head dims
-// lane_dim(t) and lane_dim(t) + 1, columns the two heads).
-template <int kHead>
-struct WarpState {
-  float m[2], l[2];
-  float o[Shape<kHead>::kKTiles][4];
-};
-
-// S^T = K Q^T for a chunk: s[tile][r] is the score (log2 units) of position 16 tile + g
-// (r = 0, 1) or + 8 (r = 2, 3) with query head 2q (r even) or 2q + 1 (r odd).
-template <int kHead>
-__device__ __forceinline__ void chunk_scores(const Chunk<kHead>& c,
-                                             const uint32_t (&qf)[Shape<kHead>::kKTiles][2],
-                                             const float (&score_scale)[2],
-                                             float (&s)[Shape<kHead>::kTiles][4]) {
-  using S = Shape<kHead>;
-#pragma unroll
-  for (int tile = 0; tile < S::kTiles; ++tile) {
-    float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-    uint32_t scale_words[2][S::kKScaleBytes];
-    k_tile_scales<kHead>(c, tile, scale_words);
-#pragma unroll
-    for (int w = 0; w < S::kKWords; ++w) {
-      uint32_t a0[4], a1[4];
-      k_word_fragments<kHead>(c, tile, w, scale_words, a0, a1);
-      mma_16816(acc[0], a0, qf[2 * w][0], qf[2 * w][1]);
-      mma_16816(acc[1], a1, qf[2 * w + 1][0], qf[2 * w + 1][1]);
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) s[tile][r] = (acc[0][r] + acc[1][r]) * score_scale[r & 1];
-  }
-}
-
-// The online softmax over a chunk's scores: updates the warp's max, sum and O scale, and
-// returns P^T as the B operand of the second MMA (p0: positions 2q, 2q+1; p1: 2q+8, 2q+9).
-template <int kHead>
-__device__ __forceinline__ void chunk_softmax(float (&s)[Shape<kHead>::kTiles][4],
-                                              WarpState<kHead>& st, uint32_t base, uint32_t end,
-                                              int lane, uint32_t (&p0)[Shape<kHead>::kTiles],
-                                              uint32_t (&p1)[Shape<kHead>::kTiles]) {
-  using S = Shape<kHead>;
-  const int g = lane >> 2;
-  // Positions past the end (of the split or the sequence) never count, whatever they hold.
-  if (base + S::kChunk > end) {
-#pragma unroll
-    for (int tile = 0; tile < S::kTiles; ++tile) {
-      const uint32_t pos = base + 16 * tile + g;
-      if (pos >= end) s[tile][0] = s[tile][1] = -INFINITY;
-      if (pos + 8 >= end) s[tile][2] = s[tile][3] = -INFINITY;
-    }
-  }
-
-  float top[2] = {st.m[0], st.m[1]};
-#pragma unroll
-  for (int tile = 0; tile < S::kTiles; ++tile)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) top[r & 1] = fmaxf(top[r & 1], s[tile][r]);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int delta = 4; delta < 32; delta *= 2)
-      top[h] = fmaxf(top[h], __shfl_xor_sync(0xFFFFFFFFu, top[h], delta));
-  float alpha[2], offset[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
-    alpha[h] = exp2_approx(st.m[h] - offset[h]);
-    st.m[h] = top[h];
-    st.l[h] *= alpha[h];
-  }
-  float p[S::kTiles][4];
-#pragma unroll
-  for (int tile = 0; tile < S::kTiles; ++tile)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      p[tile][r] = exp2_approx(s[tile][r] - offset[r & 1]);
-      st.l[r & 1] += p[tile][r];
-    }
-  // The running max changes in the first chunks and rarely after: rescale only then.
-  if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-    for (int t = 0; t < S::kKTiles; ++t)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) st.o[t][r] *= alpha[r & 1];
-  }
-
-#pragma unroll
-  for (int tile = 0; tile < S::kTiles; ++tile) {
-    // P^T as the B operand: column (query head) g, rows (tokens) 2q, 2q+1 and 2q+8, 2q+9.
-    p0[tile] = transpose_8x8(pack_f16x2(p[tile][0], p[tile][1]));
-    p1[tile] = transpose_8x8(pack_f16x2(p[tile][2], p[tile][3]));
-  }
-}
-
-// O^T += V^T P^T for a chunk.
-template <int kHead>
-__device__ __forceinline__ void chunk_accumulate(const Chunk<kHead>& c, WarpState<kHead>& st,
-                                                 const uint32_t (&p0)[Shape<kHead>::kTiles],
-                                                 const uint32_t (&p1)[Shape<kHead>::kTiles]) {
-  using S = Shape<kHead>;
-#pragma unroll
-  for (int tile = 0; tile < S::kTiles; ++tile) {
-    uint32_t scale[2][S::kVBlocks];
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int b = 0; b < S::kVBlocks; ++b)
-        scale[half][b] = e4m3x2_to_f16x2_x128(c.v_scale[2 * tile + half][b]);
-#pragma unroll
-    for (int w = 0; w < S::kVWords; ++w) {
-      // Each register pairs one head dim of tokens (2q, 2q+1) (half 0) or (2q+8, 2q+9).
-      uint32_t x[2][2][4];  // [token pair][bytes 0-1 | 2-3][register]
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t wa = c.v[2 * tile + half][0][w], wb = c.v[2 * tile + half][1][w];
-        e2m1x8_to_f16x2(prmt(wa, wb, 0x5410), x[half][0]);
-        e2m1x8_to_f16x2(prmt(wa, wb, 0x7632), x[half][1]);
-#pragma unroll
-        for (int k = 0; k < 2; ++k)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) x[half][k][r] = hmul2(x[half][k][r], scale[half][w / 2]);
-      }
-      // m-tile 4w + 2k + j: rows g, g+8 = lane dims 8w + 4k + 2j, +1 (see lane_dim).
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const uint32_t a[4] = {x[0][k][j], x[0][k][j + 2], x[1][k][j], x[1][k][j + 2]};
-          mma_16816(st.o[4 * w + 2 * k + j], a, p0[tile], p1[tile]);
-        }
-    }
-  }
-}
-
-// Head dim of row g of m-tile t (row g + 8 is the next dim): lane g holds dims
-// 2*(D/16)*g .. +2*(D/16)-1, two per m-tile.
-template <int kHead>
-__device__ __forceinline__ int lane_dim(int g, int t) {
-  return 2 * (kHead / 16) * g + 2 * t;
-}
 
 // Ragged mode (p.cu_q_lens set): whether sequence b of `member` owns exactly one query token
 // (jax_nvfp4.reference.ragged_token_plan), and which (every lane of the warp gets it).
@@ -228,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     DecodeKernel(const DecodeProblem p, const Grid grid) {
   using S = Shape<kHead>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, qd = lane & 3;
+  const int g = lane >> 2;
 
   uint32_t head_tile, kv_head, b;
   uint32_t rest = grid.head_tiles.divmod(blockIdx.x, &head_tile);
@@ -262,37 +120,13 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     return;
   }
 
-  // q of this lane's head (column g), dims qd*D/4 .. +D/4, scaled by 2^e into fp16 and laid
-  // out as the B fragments of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}).
-  uint32_t qf[S::kKTiles][2];
-  float score_scale[2];
-  {
-    constexpr int kDims = kHead / 4;
-    float qv[kDims];
-    float amax = 0.f;
-    const bool has_head = g < heads_here;
-#pragma unroll
-    for (int i = 0; i < kDims; ++i) {
-      qv[i] = has_head ? load_q(p.q, p.q_type, (first_q_row + g) * kHead + qd * kDims + i) : 0.f;
-      amax = fmaxf(amax, fabsf(qv[i]));
-    }
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-    const int exponent = q_exponent(amax);
-#pragma unroll
-    for (int w = 0; w < kDims / 8; ++w)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float* x = qv + 8 * w + e;
-        qf[2 * w + e][0] = pack_f16x2(ldexpf(x[0], exponent), ldexpf(x[4], exponent));
-        qf[2 * w + e][1] = pack_f16x2(ldexpf(x[2], exponent), ldexpf(x[6], exponent));
-      }
-    const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
-    const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
-    const float mine = ldexpf(k_scale * sm_scale * kLog2e, 7 - exponent);
-    score_scale[0] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd);      // column 2qd: lane 4*(2qd)
-    score_scale[1] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd + 4);  // column 2qd+1
-  }
+  // q of this lane's head (column g) as the B fragments of S^T = K Q^T.
+  RegisterQ<kHead, 1> qf;
+  float score_scale[1][2];
+  q_fragments<kHead>(p.q, p.q_type, (first_q_row + g) * kHead, g < heads_here,
+                     p.k_scale[p.k_scale_stacked ? member : 0] *
+                         p.sm_scale[p.sm_scale_stacked ? member : 0],
+                     lane, qf.f[0], score_scale[0]);
 
   const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
   const int32_t side_bytes = int32_t(p.page.side_bytes());
@@ -309,92 +143,27 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
   pv.block_size = grid.block_size;
   pv.tile_in_page = block_size % 16 == 0;
 
-  WarpState<kHead> st;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.f;
-#pragma unroll
-  for (int t = 0; t < S::kKTiles; ++t)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) st.o[t][r] = 0.f;
+  // Every head sees the split's positions [begin, end).
+  WarpState<kHead, 1> st;
+  init_state(st);
+  const uint32_t limit[1][2] = {{uint32_t(end), uint32_t(end)}};
+  attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end), uint32_t(end),
+                                             limit, qf, score_scale, warp, lane, st);
 
-  // Chunks of this split, warp w taking w, w + 4, ... One set of chunk registers: the next
-  // chunk's K is loaded as soon as this chunk's scores are computed, its V once this chunk's
-  // values are accumulated; block-table entries are read a chunk ahead of that.
-  const int num_chunks = (end - begin + S::kChunk - 1) / S::kChunk;
-  const auto chunk_base = [&](int chunk) { return uint32_t(begin + chunk * S::kChunk); };
-  Chunk<kHead> c;
-  int chunk = warp;
-  TilePages<S::kTiles> pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk), end);
-  if (chunk < num_chunks) {
-    load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
-    load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
-  }
-  pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk + kWarps), end);
-#pragma unroll 1
-  for (; chunk < num_chunks; chunk += kWarps) {
-    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kWarps), end);
-    const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kWarps);
-    const bool has_next = chunk + kWarps < num_chunks;
-    float s[S::kTiles][4];
-    chunk_scores<kHead>(c, qf, score_scale, s);
-    if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
-    uint32_t p0[S::kTiles], p1[S::kTiles];
-    chunk_softmax<kHead>(s, st, base, end, lane, p0, p1);
-    chunk_accumulate<kHead>(c, st, p0, p1);
-    if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
-    pages = later;
-  }
-
-  // The lane's share of l -> the column's.
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int delta = 4; delta < 32; delta *= 2)
-      st.l[h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[h], delta);
-
-  // Merge the warps: each writes its state, then the CTA combines per (head, dim).
-  __shared__ float shared_m[kWarps][kHeadsPerCta], shared_l[kWarps][kHeadsPerCta];
-  __shared__ float shared_o[kWarps][kHeadsPerCta][kHead];
-  if (g == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      shared_m[warp][2 * qd + h] = st.m[h];
-      shared_l[warp][2 * qd + h] = st.l[h];
-    }
-  }
-#pragma unroll
-  for (int t = 0; t < S::kKTiles; ++t) {
-    const int dim = lane_dim<kHead>(g, t);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) shared_o[warp][2 * qd + (r & 1)][dim + (r >> 1)] = st.o[t][r];
-  }
-  __syncthreads();
-
-  for (int i = threadIdx.x; i < heads_here * kHead; i += kThreads) {
-    const int h = i / kHead, d = i % kHead;
-    float top = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) top = fmaxf(top, shared_m[w][h]);
-    const float offset = top == -INFINITY ? 0.f : top;
-    float sum = 0.f, acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float weight = exp2_approx(shared_m[w][h] - offset);
-      sum += weight * shared_l[w][h];
-      acc += weight * shared_o[w][h][d];
-    }
-    const float value = acc / sum;
-    const float lse2 = offset + __log2f(sum);
-    if (p.num_splits == 1) {
-      const int64_t row = first_q_row + h;
-      store_out(p.out, p.q_type, row * kHead + d, value * (p.v_scale[p.v_scale_stacked ? member : 0] * 128.f));
-      if (d == 0) p.lse[row] = lse2 * kLn2;
-    } else {
-      const int64_t row = first_split_row + h;
-      p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
-      if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
-    }
-  }
+  __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
+  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+  merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,
+                        [&](int h, int d, float value, float lse2) {
+                          if (p.num_splits == 1) {
+                            const int64_t row = first_q_row + h;
+                            store_out(p.out, p.q_type, row * kHead + d, value * out_scale);
+                            if (d == 0) p.lse[row] = lse2 * kLn2;
+                          } else {
+                            const int64_t row = first_split_row + h;
+                            p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+                            if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+                          }
+                        });
 }
 
 // Combines the splits of each (member, sequence, query head): weights 2^(lse_s - max).

@@ -59,7 +59,7 @@ _DEFAULT_CTAS_PER_SM = 2
 #: CTAs per SM (its launch bounds).
 FEW_ROWS = 16
 FEW_ROWS_MAX_HEAD_SIZE = 128
-_FEW_ROWS_CTAS_PER_SM = 3
+_FEW_ROWS_CTAS_PER_SM = 2
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
 #: Most stacked members x splits: the kernel's grid puts them on its z axis.

@@ -1,0 +1,376 @@
+// A warp's online-softmax attention over its chunks of positions, K and V straight from its
+// registers (page_chunks.cuh) into the tensor cores, for kNT n-tiles of 8 query rows: the decode
+// kernel's body (decode_cuda.cu: kNT = 1, the query heads of one token) and the few-row kernel's
+// (ragged_few_rows.cu: kNT = 1 or 2, the query rows of a few tokens, speculative decoding).
+//
+// Per chunk, on the tensor cores (mma.sync m16n8k16, fp16 in, float32 accumulate):
+//   S^T = K Q^T   positions in M (16 per tile), head dims in K, query rows in N (8 per n-tile),
+//   O^T += V^T P^T  head dims in M, positions in K, query rows in N.
+// Each converted K or V fragment serves every n-tile, so the conversion (most of a chunk's
+// instructions) is paid once for up to 16 rows. Numbers as in attention_device.cuh.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_device.cuh"
+#include "page_chunks.cuh"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kChunkWarps = 4;  // warps of a CTA, each with its own chunks and softmax state
+
+// The online-softmax state of one warp: per n-tile t, the query rows 8t + 2q and 8t + 2q + 1
+// of this lane (columns of the MMA's N), running max m (log2 units, the same in every lane of a
+// column), the lane's part of the running sum l, and the O^T accumulators (m-tile i: rows g and
+// g + 8 are head dims lane_dim(g, i) and lane_dim(g, i) + 1, the columns the two rows).
+template <int kHead, int kNT>
+struct WarpState {
+  float m[kNT][2], l[kNT][2];
+  float o[Shape<kHead>::kKTiles][kNT][4];
+};
+
+template <int kHead, int kNT>
+__device__ __forceinline__ void init_state(WarpState<kHead, kNT>& st) {
+#pragma unroll
+  for (int t = 0; t < kNT; ++t) {
+    st.m[t][0] = st.m[t][1] = -INFINITY;
+    st.l[t][0] = st.l[t][1] = 0.f;
+#pragma unroll
+    for (int i = 0; i < Shape<kHead>::kKTiles; ++i)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) st.o[i][t][r] = 0.f;
+  }
+}
+
+// Head dim of row g of m-tile i (row g + 8 is the next dim): lane g holds dims
+// 2*(D/16)*g .. +2*(D/16)-1, two per m-tile.
+template <int kHead>
+__device__ __forceinline__ int lane_dim(int g, int i) {
+  return 2 * (kHead / 16) * g + 2 * i;
+}
+
+// One n-tile's q: lane (g, q) reads the row whose elements start at q + q_at (column g; zeros
+// where !valid), dims q*D/4 .. +D/4, scales it by 2^e into fp16 and lays it out as the B
+// fragments of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}, the order of the
+// K fragments). score_scale gets the scales of the lane's columns 2q and 2q + 1:
+// k_scale * sm_scale * log2(e) * 2^(7 - e_row).
+template <int kHead>
+__device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t q_at, bool valid,
+                                            float k_times_sm_scale, int lane,
+                                            uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+                                            float (&score_scale)[2]) {
+  constexpr int kDims = kHead / 4;
+  const int qd = lane & 3;
+  float qv[kDims];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < kDims; ++i) {
+    qv[i] = valid ? load_q(q, q_type, q_at + qd * kDims + i) : 0.f;
+    amax = fmaxf(amax, fabsf(qv[i]));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  const int exponent = q_exponent(amax);
+#pragma unroll
+  for (int w = 0; w < kDims / 8; ++w)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float* x = qv + 8 * w + e;
+      qf[2 * w + e][0] = pack_f16x2(ldexpf(x[0], exponent), ldexpf(x[4], exponent));
+      qf[2 * w + e][1] = pack_f16x2(ldexpf(x[2], exponent), ldexpf(x[6], exponent));
+    }
+  const float mine = ldexpf(k_times_sm_scale * kLog2e, 7 - exponent);
+  score_scale[0] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd);      // column 2q: lane 4 * (2q)
+  score_scale[1] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd + 4);  // column 2q + 1
+}
+
+// Where a warp keeps q's B fragments during its loop: in registers (the decode kernel: one
+// n-tile) or in shared memory (the few-row kernel: two n-tiles would take 32 registers), read
+// as the words of k-steps 2w and 2w + 1 of n-tile t.
+template <int kHead, int kNT>
+struct RegisterQ {
+  uint32_t f[kNT][Shape<kHead>::kKTiles][2];
+  __device__ __forceinline__ uint4 words(int t, int w) const {
+    return make_uint4(f[t][2 * w][0], f[t][2 * w][1], f[t][2 * w + 1][0], f[t][2 * w + 1][1]);
+  }
+};
+
+template <int kHead>
+struct SharedQ {
+  const uint4* f;  // [n-tile][w][lane]
+  int lane;
+  __device__ __forceinline__ uint4 words(int t, int w) const {
+    return f[(t * Shape<kHead>::kKWords + w) * 32 + lane];
+  }
+  // Stores a lane's fragments of n-tile t (as q_fragments made them).
+  static __device__ __forceinline__ void store(uint4* f, int t, int lane,
+                                               const uint32_t (&qf)[Shape<kHead>::kKTiles][2]) {
+#pragma unroll
+    for (int w = 0; w < Shape<kHead>::kKWords; ++w)
+      f[(t * Shape<kHead>::kKWords + w) * 32 + lane] =
+          make_uint4(qf[2 * w][0], qf[2 * w][1], qf[2 * w + 1][0], qf[2 * w + 1][1]);
+  }
+};
+
+// S^T = K Q^T for a chunk: s[tile][t][r] is the score (log2 units) of position 16 tile + g
+// (r = 0, 1) or + 8 (r = 2, 3) with row 8t + 2q (r even) or 8t + 2q + 1 (r odd).
+template <int kHead, int kNT, typename QFragments>
+__device__ __forceinline__ void chunk_scores(const Chunk<kHead>& c, const QFragments& qf,
+                                             const float (&score_scale)[kNT][2],
+                                             float (&s)[Shape<kHead>::kTiles][kNT][4]) {
+  using S = Shape<kHead>;
+  // Two accumulator chains per n-tile where one n-tile alone would wait on its MMAs.
+  constexpr int kChains = kNT == 1 ? 2 : 1;
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) {
+    float acc[kNT][kChains][4];
+#pragma unroll
+    for (int t = 0; t < kNT; ++t)
+#pragma unroll
+      for (int k = 0; k < kChains; ++k)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) acc[t][k][r] = 0.f;
+    uint32_t scale_words[2][S::kKScaleBytes];
+    k_tile_scales<kHead>(c, tile, scale_words);
+#pragma unroll
+    for (int w = 0; w < S::kKWords; ++w) {
+      uint32_t a0[4], a1[4];
+      k_word_fragments<kHead>(c, tile, w, scale_words, a0, a1);
+#pragma unroll
+      for (int t = 0; t < kNT; ++t) {
+        const uint4 b = qf.words(t, w);  // k-steps 2w and 2w + 1
+        mma_16816(acc[t][0], a0, b.x, b.y);
+        mma_16816(acc[t][kChains - 1], a1, b.z, b.w);
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kNT; ++t)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float sum = kChains == 2 ? acc[t][0][r] + acc[t][kChains - 1][r] : acc[t][0][r];
+        s[tile][t][r] = sum * score_scale[t][r & 1];
+      }
+  }
+}
+
+// The online softmax over a chunk's scores: updates the warp's max, sum and O scale, and
+// returns P^T as the B operand of the second MMA (p0: positions 2q, 2q+1; p1: 2q+8, 2q+9).
+// Where `masked`, positions at or past a column's limit (limit[t][h]: row 8t + 2q + h) never
+// count, whatever they hold.
+template <int kHead, int kNT>
+__device__ __forceinline__ void chunk_softmax(float (&s)[Shape<kHead>::kTiles][kNT][4],
+                                              WarpState<kHead, kNT>& st, uint32_t base,
+                                              bool masked, const uint32_t (&limit)[kNT][2],
+                                              int lane,
+                                              uint32_t (&p0)[kNT][Shape<kHead>::kTiles],
+                                              uint32_t (&p1)[kNT][Shape<kHead>::kTiles]) {
+  using S = Shape<kHead>;
+  const int g = lane >> 2;
+  if (masked) {
+#pragma unroll
+    for (int tile = 0; tile < S::kTiles; ++tile)
+#pragma unroll
+      for (int t = 0; t < kNT; ++t)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t pos = base + 16 * tile + g + 8 * (r >> 1);
+          if (pos >= limit[t][r & 1]) s[tile][t][r] = -INFINITY;
+        }
+  }
+
+  bool rescale = false;
+  float alpha[kNT][2];
+#pragma unroll
+  for (int t = 0; t < kNT; ++t) {
+    float top[2] = {st.m[t][0], st.m[t][1]};
+#pragma unroll
+    for (int tile = 0; tile < S::kTiles; ++tile)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) top[r & 1] = fmaxf(top[r & 1], s[tile][t][r]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int delta = 4; delta < 32; delta *= 2)
+        top[h] = fmaxf(top[h], __shfl_xor_sync(0xFFFFFFFFu, top[h], delta));
+    float offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
+      alpha[t][h] = exp2_approx(st.m[t][h] - offset[h]);
+      st.m[t][h] = top[h];
+      st.l[t][h] *= alpha[t][h];
+      rescale |= alpha[t][h] != 1.f;
+    }
+    float p[S::kTiles][4];
+#pragma unroll
+    for (int tile = 0; tile < S::kTiles; ++tile)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        p[tile][r] = exp2_approx(s[tile][t][r] - offset[r & 1]);
+        st.l[t][r & 1] += p[tile][r];
+      }
+#pragma unroll
+    for (int tile = 0; tile < S::kTiles; ++tile) {
+      // P^T as the B operand: column (row) g, positions 2q, 2q+1 and 2q+8, 2q+9.
+      p0[t][tile] = transpose_8x8(pack_f16x2(p[tile][0], p[tile][1]));
+      p1[t][tile] = transpose_8x8(pack_f16x2(p[tile][2], p[tile][3]));
+    }
+  }
+  // The running max changes in the first chunks and rarely after: rescale only then.
+  if (__any_sync(0xFFFFFFFFu, rescale)) {
+#pragma unroll
+    for (int i = 0; i < S::kKTiles; ++i)
+#pragma unroll
+      for (int t = 0; t < kNT; ++t)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) st.o[i][t][r] *= alpha[t][r & 1];
+  }
+}
+
+// O^T += V^T P^T for a chunk.
+template <int kHead, int kNT>
+__device__ __forceinline__ void chunk_accumulate(const Chunk<kHead>& c, WarpState<kHead, kNT>& st,
+                                                 const uint32_t (&p0)[kNT][Shape<kHead>::kTiles],
+                                                 const uint32_t (&p1)[kNT][Shape<kHead>::kTiles]) {
+  using S = Shape<kHead>;
+#pragma unroll
+  for (int tile = 0; tile < S::kTiles; ++tile) {
+    uint32_t scale[2][S::kVBlocks];
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b)
+        scale[half][b] = e4m3x2_to_f16x2_x128(c.v_scale[2 * tile + half][b]);
+#pragma unroll
+    for (int w = 0; w < S::kVWords; ++w) {
+      // Each register pairs one head dim of positions (2q, 2q+1) (half 0) or (2q+8, 2q+9).
+      uint32_t x[2][2][4];  // [position pair][bytes 0-1 | 2-3][register]
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const uint32_t wa = c.v[2 * tile + half][0][w], wb = c.v[2 * tile + half][1][w];
+        e2m1x8_to_f16x2(prmt(wa, wb, 0x5410), x[half][0]);
+        e2m1x8_to_f16x2(prmt(wa, wb, 0x7632), x[half][1]);
+#pragma unroll
+        for (int k = 0; k < 2; ++k)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) x[half][k][r] = hmul2(x[half][k][r], scale[half][w / 2]);
+      }
+      // m-tile 4w + 2k + j: rows g, g+8 = lane dims 8w + 4k + 2j, +1 (see lane_dim).
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const uint32_t a[4] = {x[0][k][j], x[0][k][j + 2], x[1][k][j], x[1][k][j + 2]};
+#pragma unroll
+          for (int t = 0; t < kNT; ++t)
+            mma_16816(st.o[4 * w + 2 * k + j][t], a, p0[t][tile], p1[t][tile]);
+        }
+    }
+  }
+}
+
+// The chunk loop of one warp over positions [begin, end): warp w takes chunks w, w + 4, ...
+// One set of chunk registers: the next chunk's K is loaded as soon as this chunk's scores are
+// computed, its V once this chunk's values are accumulated; block-table entries are read a
+// chunk ahead of that. `mask_from`: chunks reaching past it are masked by the columns' limits
+// (positions past `end` are never loaded: zeros).
+template <int kHead, bool kSwizzle, Layout kLayout, int kNT, typename QFragments>
+__device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint32_t begin,
+                                              uint32_t end, uint32_t mask_from,
+                                              const uint32_t (&limit)[kNT][2],
+                                              const QFragments& qf,
+                                              const float (&score_scale)[kNT][2], int warp,
+                                              int lane, WarpState<kHead, kNT>& st) {
+  using S = Shape<kHead>;
+  const int num_chunks = int((end - begin + S::kChunk - 1) / S::kChunk);
+  const auto chunk_base = [&](int chunk) { return begin + uint32_t(chunk * S::kChunk); };
+  Chunk<kHead> c;
+  int chunk = warp;
+  TilePages<S::kTiles> pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk), end);
+  if (chunk < num_chunks) {
+    load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
+    load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
+  }
+  pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk + kChunkWarps), end);
+#pragma unroll 1
+  for (; chunk < num_chunks; chunk += kChunkWarps) {
+    const TilePages<S::kTiles> later =
+        fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kChunkWarps), end);
+    const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kChunkWarps);
+    const bool has_next = chunk + kChunkWarps < num_chunks;
+    float s[S::kTiles][kNT][4];
+    chunk_scores<kHead, kNT>(c, qf, score_scale, s);
+    if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+    uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
+    chunk_softmax<kHead, kNT>(s, st, base, base + S::kChunk > mask_from, limit, lane, p0, p1);
+    chunk_accumulate<kHead, kNT>(c, st, p0, p1);
+    if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+    pages = later;
+  }
+  // The lane's share of l -> the column's.
+#pragma unroll
+  for (int t = 0; t < kNT; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int delta = 4; delta < 32; delta *= 2)
+        st.l[t][h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[t][h], delta);
+}
+
+// Shared memory (floats) the warps' merge takes for kRows rows.
+template <int kHead, int kRows>
+constexpr int kMergeFloats = kChunkWarps * kRows * (2 + kHead);
+
+// Merges the warps' states: each writes its state to `smem` (kMergeFloats<kHead, 8 kNT> floats),
+// then for each of the first `rows` rows and each head dim one thread combines the warps
+// (weights 2^(m_w - max)) and calls emit(row, dim, value, lse2): value = the row's output
+// over its sum (0/0 = NaN where no position counted), lse2 its log2 lse (-inf then).
+template <int kHead, int kNT, typename Emit>
+__device__ __forceinline__ void merge_warps(const WarpState<kHead, kNT>& st, float* smem,
+                                            int rows, int warp, int lane, Emit&& emit) {
+  constexpr int kRows = 8 * kNT;
+  float* shared_m = smem;                             // [warp][row]
+  float* shared_l = shared_m + kChunkWarps * kRows;   // [warp][row]
+  float* shared_o = shared_l + kChunkWarps * kRows;   // [warp][row][dim]
+  const int g = lane >> 2, qd = lane & 3;
+#pragma unroll
+  for (int t = 0; t < kNT; ++t) {
+    if (g == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        shared_m[warp * kRows + 8 * t + 2 * qd + h] = st.m[t][h];
+        shared_l[warp * kRows + 8 * t + 2 * qd + h] = st.l[t][h];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < Shape<kHead>::kKTiles; ++i) {
+      const int dim = lane_dim<kHead>(g, i);
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        shared_o[(warp * kRows + 8 * t + 2 * qd + (r & 1)) * kHead + dim + (r >> 1)] =
+            st.o[i][t][r];
+    }
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < rows * kHead; i += kChunkWarps * 32) {
+    const int row = i / kHead, d = i % kHead;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kChunkWarps; ++w) top = fmaxf(top, shared_m[w * kRows + row]);
+    const float offset = top == -INFINITY ? 0.f : top;
+    float sum = 0.f, acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kChunkWarps; ++w) {
+      const float weight = exp2_approx(shared_m[w * kRows + row] - offset);
+      sum += weight * shared_l[w * kRows + row];
+      acc += weight * shared_o[(w * kRows + row) * kHead + d];
+    }
+    emit(row, d, acc / sum, offset + __log2f(sum));
+  }
+}
+
+}  // namespace
+}  // namespace nvfp4
