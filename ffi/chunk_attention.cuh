@@ -86,31 +86,14 @@ __device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t
   score_scale[1] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd + 4);  // column 2q + 1
 }
 
-// Where a warp keeps q's B fragments during its loop: in registers (the decode kernel: one
-// n-tile) or in shared memory (the few-row kernel: two n-tiles would take 32 registers), read
-// as the words of k-steps 2w and 2w + 1 of n-tile t.
+// q's B fragments, kept in registers through a warp's loop (in shared memory instead, the
+// few-row kernel still spilled at 3 CTAs/SM and ran 1.33x slower: benchmarks/NOTES.md, v5),
+// read as the words of k-steps 2w and 2w + 1 of n-tile t.
 template <int kHead, int kNT>
 struct RegisterQ {
   uint32_t f[kNT][Shape<kHead>::kKTiles][2];
   __device__ __forceinline__ uint4 words(int t, int w) const {
     return make_uint4(f[t][2 * w][0], f[t][2 * w][1], f[t][2 * w + 1][0], f[t][2 * w + 1][1]);
-  }
-};
-
-template <int kHead>
-struct SharedQ {
-  const uint4* f;  // [n-tile][w][lane]
-  int lane;
-  __device__ __forceinline__ uint4 words(int t, int w) const {
-    return f[(t * Shape<kHead>::kKWords + w) * 32 + lane];
-  }
-  // Stores a lane's fragments of n-tile t (as q_fragments made them).
-  static __device__ __forceinline__ void store(uint4* f, int t, int lane,
-                                               const uint32_t (&qf)[Shape<kHead>::kKTiles][2]) {
-#pragma unroll
-    for (int w = 0; w < Shape<kHead>::kKWords; ++w)
-      f[(t * Shape<kHead>::kKWords + w) * 32 + lane] =
-          make_uint4(qf[2 * w][0], qf[2 * w][1], qf[2 * w + 1][0], qf[2 * w + 1][1]);
   }
 };
 

@@ -1,7 +1,8 @@
-// Device code shared by the two kernels of ragged paged attention (ragged_cuda.cu: query tiles
-// through shared memory, any number of rows; ragged_few_rows.cu: the sequences of a few query
-// rows, speculative decoding): which sequences the few-row kernel takes, fragment loads from
-// shared memory, the order of converted head dims, and the result of a row that sees nothing.
+// Device code of the kernels of ragged paged attention (ragged_cuda.cu: query tiles through
+// shared memory, any number of rows; ragged_few_rows.cu: the sequences of a few query rows,
+// speculative decoding): which sequences the few-row kernel takes, what a CTA knows of its
+// launch, and the result of a row that sees nothing (both kernels); fragment loads from shared
+// memory and the order of converted head dims (the ragged kernel's).
 #pragma once
 
 #include <cstdint>

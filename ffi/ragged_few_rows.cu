@@ -34,14 +34,13 @@ namespace {
 constexpr int kThreads = kChunkWarps * 32;
 constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each)
 // CTAs per SM the registers are budgeted for (the split plan assumes it: ragged_primitive.py's
-// _FEW_ROWS_CTAS_PER_SM).
+// _FEW_ROWS_CTAS_PER_SM). Measured on an H200, 2026-12-01: 2 CTAs, 241-243 registers, spec
+// 32 x 4 over 8192 in 185 us; at 3 the kernel spills. To measure another value:
+// -DNVFP4_FEW_ROWS_MIN_CTAS=N in CMAKE_CUDA_FLAGS.
 #ifndef NVFP4_FEW_ROWS_MIN_CTAS
 #define NVFP4_FEW_ROWS_MIN_CTAS 2
 #endif
 constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
-#ifndef NVFP4_FEW_ROWS_SHARED_Q
-#define NVFP4_FEW_ROWS_SHARED_Q 0
-#endif
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
 // count, so that no loop over the rows branches).
@@ -49,7 +48,7 @@ template <int kHead, bool kSwizzle, Layout kLayout, int kNT>
 __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const RaggedGrid& grid,
                                                 int32_t b, int32_t kv_head, int32_t member,
                                                 int32_t split, int32_t start, int32_t q_len,
-                                                float* merge_smem, uint4* q_smem) {
+                                                float* merge_smem) {
   using S = Shape<kHead>;
   static_assert(kNT >= 1 && kNT <= kNTiles, "n-tiles");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -96,29 +95,18 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   uint32_t limit[kNT][2];
   const float k_times_sm_scale =
       p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
-#if NVFP4_FEW_ROWS_SHARED_Q
-  const SharedQ<kHead> qf{q_smem, lane};
-#else
   RegisterQ<kHead, kNT> qf;
-#endif
 #pragma unroll
   for (int t = 0; t < kNT; ++t) {
     const int r = 8 * t + g;
     uint32_t f[S::kKTiles][2];
     q_fragments<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows,
                        k_times_sm_scale, lane, f, score_scale[t]);
-#if NVFP4_FEW_ROWS_SHARED_Q
-    if (warp == 0) SharedQ<kHead>::store(q_smem, t, lane, f);
-#else
 #pragma unroll
     for (int k = 0; k < S::kKTiles; ++k) qf.f[t][k][0] = f[k][0], qf.f[t][k][1] = f[k][1];
-#endif
     limit[t][0] = row_end(8 * t + 2 * qd);
     limit[t][1] = row_end(8 * t + 2 * qd + 1);
   }
-#if NVFP4_FEW_ROWS_SHARED_Q
-  __syncthreads();
-#endif
 
   PageView<kLayout> pv;
   const int32_t side_bytes = int32_t(p.page.side_bytes());
@@ -162,7 +150,6 @@ template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   __shared__ float merge_smem[kMergeFloats<kHead, kFewRows>];
-  __shared__ uint4 q_smem[kNTiles * Shape<kHead>::kKWords * 32];
   const int lane = threadIdx.x & 31;
   uint32_t head;
   const int32_t b = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
@@ -180,9 +167,9 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
   if (!takes_few_rows(q_len, group, kHead)) return;  // (CTA-uniform) another kernel's sequence
   if (q_len * group <= 8)  // one n-tile, or two
     return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
-                                                        start, q_len, merge_smem, q_smem);
+                                                        start, q_len, merge_smem);
   attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split, start, q_len,
-                                               merge_smem, q_smem);
+                                               merge_smem);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>

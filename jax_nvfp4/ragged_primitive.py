@@ -56,7 +56,7 @@ KV_TILE = 64
 _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
 #: takes, its largest head size (ffi/ragged_device.cuh, kFewRows, kFewRowsMaxHead), and its
-#: CTAs per SM (its launch bounds).
+#: CTAs per SM (its launch bounds, kFewRowsCtasPerSm in ffi/ragged_few_rows.cu).
 FEW_ROWS = 16
 FEW_ROWS_MAX_HEAD_SIZE = 128
 _FEW_ROWS_CTAS_PER_SM = 2
