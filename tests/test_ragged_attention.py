@@ -604,6 +604,23 @@ def test_gpu_more_sequences_groups_and_pages(seed, seqs, kv, ratio, bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("head_size,layout,bs", [(128, "HND", 16), (64, "NHD", 12)])
+def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
+    """Every sequence shape the few-row kernel takes (2 or more query tokens, at most 16 rows per
+    kv head: one n-tile of 8 rows or two, full or partial), each over a context as short as its
+    query tokens (the first row sees one position), one ending inside a chunk and one of
+    several chunks; beside them a one-token sequence and one a token too long for the kernel."""
+    most = 16 // ratio
+    seqs = tuple((kv, q) for q in range(2, most + 1) for kv in (q, 37, 700))
+    seqs += ((300, 1), (300, most + 1))
+    case = shared_case(60 + ratio, seqs, head_size=head_size, layout=layout, num_kv_heads=2,
+                       block_size=bs)
+    q = case.query(2 * ratio, jnp.bfloat16, seed=ratio)
+    assert_kernel_matches_jnp(case, q, f"few-rows-r{ratio}")
+
+
+@pytest.mark.gpu
 def test_gpu_vmap_per_member_tables_and_layouts():
     """vmap over stacked caches with each member's own block tables, lengths, offsets and
     num_seqs: one launch, each member equal to its own call."""
