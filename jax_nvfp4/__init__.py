@@ -9,7 +9,8 @@ from .api import (allocate_kv_cache, dequantize, reshape_and_cache, scale_from_a
                   slot_mapping_problems)
 from .attention import paged_attention, paged_attention_bf16, ragged_paged_attention
 from .layout import LAYOUTS, MAX_SCALE, MIN_SCALE, SCALE_SEARCHES, head_bytes, kv_cache_shape
-from . import checks, reference, sharding
+from .outliers import diagnose, hadamard_matrix, hadamard_transform
+from . import checks, outliers, reference, sharding
 
 __all__ = [
     "LAYOUTS",
@@ -19,8 +20,12 @@ __all__ = [
     "allocate_kv_cache",
     "checks",
     "dequantize",
+    "diagnose",
+    "hadamard_matrix",
+    "hadamard_transform",
     "head_bytes",
     "kv_cache_shape",
+    "outliers",
     "paged_attention",
     "paged_attention_bf16",
     "ragged_paged_attention",

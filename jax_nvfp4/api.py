@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import checks
 from . import layout as _layout
@@ -69,7 +72,9 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
         data: no finite value of key (value) beyond ``6 * 448 * k_scale`` (clipped: the scale
         is too small), not every block of a nonzero key (value) stored as zeros and not most
         of its nonzero blocks stored with an E4M3-subnormal block scale (the scale is too
-        large, e.g. ``448 / amax`` for ``amax / 448``). Eagerly a failed check raises
+        large for most of the data: e.g. ``448 / amax`` for ``amax / 448``, or an outlier far
+        larger than the rest; :func:`jax_nvfp4.diagnose` measures it without checkify, README
+        "Outliers"). Eagerly a failed check raises
         ``checkify.JaxRuntimeError``; under ``jit`` checkify the function: ``err, out =
         jax.jit(checkify.checkify(f))(...)`` (a plain ``jit`` refuses to compile it, saying
         so).
@@ -103,13 +108,31 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
                         scale_search=scale_search, v_scale_swizzle=bool(v_scale_swizzle))
 
 
-def scale_from_amax(amax, *, fallback=1.0):
+def scale_from_amax(amax, *, fallback=1.0, headroom=6.0):
     """The global scale (k_scale / v_scale) for data whose largest magnitude is ``amax``.
 
-    ``amax / 448`` in float32: the convention of vLLM and FlashInfer, where the largest E4M3
-    block scale (448) covers the largest value, with the E2M1 codes' factor 6 as headroom. The
-    result is always a valid scale (a float32 in ``[MIN_SCALE, MAX_SCALE]``), never 0, NaN or
-    Inf:
+    ``amax * headroom / (6 * 448)`` in float32: the largest magnitude the cache then holds,
+    ``6 * 448 * scale`` (the largest E2M1 code times the largest E4M3 block scale), is
+    ``headroom * amax``.
+
+    * ``headroom=6`` (the default) is ``amax / 448``, bit for bit: the convention of vLLM and
+      FlashInfer, where the largest E4M3 block scale (448) covers the largest value with the
+      E2M1 codes' factor 6 to spare: data up to 6 times the calibration batch's amax is stored
+      unclipped. The block holding ``amax`` gets a block scale near 448 / 6 = 75.
+    * ``headroom=1`` is ``amax / (448 * 6)``: the calibrated ``amax`` maps to the largest block
+      scale, so every other block's scale sits ``log2(6)``, about 2.6, binades higher in E4M3's
+      range than with the default. Under a large outlier (an attention-sink token 1e5 times the
+      rest) that is the difference between the ordinary blocks keeping a few significant bits
+      and being stored as zeros (README, "Outliers"; :func:`jax_nvfp4.diagnose` measures it);
+      the price is that anything larger than the calibration amax is clipped to it.
+    * Values in between trade the two; with no strong outliers the choice changes next to
+      nothing (benchmarks/RESULTS.md, "Calibration of the global scale").
+
+    It is computed as ``amax / d`` with ``d = 6 * 448 / headroom`` rounded to float32 once, so
+    the result is the correctly rounded quotient whenever ``d`` is a float32 (``headroom`` 1,
+    6, any power of two times either, ...): exactly ``amax / 448`` for 6 and ``amax / 2688``
+    for 1. The result is always a valid scale (a float32 in ``[MIN_SCALE, MAX_SCALE]``), never
+    0, NaN or Inf, whatever ``headroom``:
 
     * an ``amax`` of 0 (an all-zero or all-padding calibration batch), or one that is negative,
       NaN, infinite or below the smallest normal float32 (data the store flushes to zero
@@ -124,14 +147,21 @@ def scale_from_amax(amax, *, fallback=1.0):
     Args:
       amax: a number or a float array.
       fallback: the scale for an unusable ``amax``; must itself be a valid scale.
+      headroom: a Python number ``>= 1`` (finite): how many times ``amax`` the largest stored
+        magnitude is. Static (not traced).
 
     Returns:
       float32 array of ``amax``'s shape.
+
+    Raises:
+      ValueError: ``fallback`` not a valid scale, or ``headroom`` below 1, NaN or infinite.
+      TypeError: ``amax`` not real, ``headroom`` not a real number.
     """
     fallback_value = float(fallback)
     if not _layout.MIN_SCALE <= fallback_value <= _layout.MAX_SCALE:
         raise ValueError(f"fallback must be a valid global scale in [2**-126, 2**116], "
                          f"got {fallback!r}")
+    divisor_value = _headroom_divisor(headroom)
     amax = jnp.asarray(amax)
     if not jnp.issubdtype(amax.dtype, jnp.floating) and not jnp.issubdtype(amax.dtype,
                                                                           jnp.integer):
@@ -140,10 +170,27 @@ def scale_from_amax(amax, *, fallback=1.0):
     usable = jnp.isfinite(amax) & (amax >= jnp.float32(_layout.MIN_SCALE))
     # A divisor XLA cannot see as a constant: it would multiply by a rounded 1/448 instead (one
     # ulp off amax / 448 under jit). The other branch is never used (amax is NaN there).
-    divisor = jnp.where(jnp.isnan(amax), jnp.float32(1), jnp.float32(_layout.E4M3_MAX))
+    divisor = jnp.where(jnp.isnan(amax), jnp.float32(1), divisor_value)
     scale = jnp.where(usable, amax, 1) / divisor
     scale = jnp.clip(scale, jnp.float32(_layout.MIN_SCALE), jnp.float32(_layout.MAX_SCALE))
     return jnp.where(usable, scale, jnp.float32(fallback_value))
+
+
+def _headroom_divisor(headroom):
+    """``6 * 448 / headroom`` as a float32 (448 exactly for the default 6), after checking
+    ``headroom`` (a real Python or NumPy number, finite, ``>= 1``). Never below ``MIN_SCALE``
+    (an absurd headroom gives MAX_SCALE-clamped scales, not a division by a subnormal)."""
+    if isinstance(headroom, (bool, np.bool_)) or not isinstance(headroom, (int, float,
+                                                                           np.integer,
+                                                                           np.floating)):
+        raise TypeError(f"headroom must be a real number >= 1 (a Python float), got "
+                        f"{headroom!r}")
+    value = float(headroom)
+    if not (math.isfinite(value) and value >= 1.0):
+        raise ValueError(f"headroom must be a finite number >= 1 (the largest stored "
+                         f"magnitude is headroom * amax; 6 is amax / 448, 1 is "
+                         f"amax / (448 * 6)), got {headroom!r}")
+    return np.float32(max(_layout.LARGEST_STORED / value, _layout.MIN_SCALE))
 
 
 def slot_mapping_problems(slot_mapping, num_slots: int):
@@ -177,7 +224,7 @@ def _check_store_scales(key, value, k_scale, v_scale, scale_search):
         amax = jnp.max(jnp.where(jnp.isfinite(a), a, 0), initial=0.0)    # finite values
         amax_all = jnp.max(jnp.where(jnp.isnan(a), 0, a), initial=0.0)   # Inf included
         s = jnp.reshape(s, ())
-        largest = _reference._rounded(jnp.float32(_layout.LARGEST_STORED) * s)
+        largest = _reference.largest_stored(s)
         clipped = jnp.sum(jnp.isfinite(a) & (a > largest), dtype=jnp.int32)
         valid = checks.scale_is_valid(s)
         checkify.check(
@@ -199,16 +246,20 @@ def _check_store_scales(key, value, k_scale, v_scale, scale_search):
             f"magnitude {{amax}} is below the smallest block scale 2**-10 * 6 * {scale_name} "
             f"({scale_name} = {{s}} is too large for this data); calibrate with "
             f"jax_nvfp4.scale_from_amax(amax)", amax=amax, s=s)
-        # A scale far too large short of that (e.g. 448 / amax for amax / 448) still sends most
-        # blocks below E4M3's normal range, where a block scale keeps 1 to 3 significant bits.
+        # A scale far too large short of that (e.g. 448 / amax for amax / 448, or amax / 448
+        # under an outlier 1e5 times the rest) still sends most blocks below E4M3's normal
+        # range, where a block scale keeps 1 to 3 significant bits.
         subnormal, nonzero = _subnormal_block_scales(x, g, inv_g, scale_search)
         checkify.check(
             ~valid | (2 * subnormal <= nonzero),
             f"reshape_and_cache: {{n}} of the {{total}} nonzero 16-value blocks of {name} get a "
             f"subnormal E4M3 block scale (below 2**-6: 1 to 3 significant bits, a large "
-            f"rounding error): {scale_name} = {{s}} is far too large for this data (largest "
-            f"magnitude {{amax}}). The global scale is amax / 448 (jax_nvfp4.scale_from_amax), "
-            f"not 448 / amax", n=subnormal, total=nonzero, s=s, amax=amax)
+            f"rounding error): {scale_name} = {{s}} is far too large for most of this data "
+            f"(largest magnitude {{amax}}). Either the scale is upside down (the global scale "
+            f"is amax / 448, jax_nvfp4.scale_from_amax, not 448 / amax) or a few values far "
+            f"larger than the rest (an outlier) set it: jax_nvfp4.diagnose measures what is "
+            f"lost, README 'Outliers' has the remedies", n=subnormal, total=nonzero, s=s,
+            amax=amax)
 
 
 def _subnormal_block_scales(x, g, inv_g, scale_search):
@@ -220,7 +271,7 @@ def _subnormal_block_scales(x, g, inv_g, scale_search):
     recip = _reference._RECIP4 if scale_search == "4over6" else _reference._RECIP6
     byte = _reference._block_scale(amax, g, inv_g, recip)[0]
     nonzero = amax > 0                                     # NaN blocks and zero blocks excluded
-    exponent_zero = (byte & 0x78) == 0                     # E4M3 exponent field 0
+    exponent_zero = _reference.e4m3_below_normal(byte)     # E4M3 exponent field 0
     return (jnp.sum(nonzero & exponent_zero, dtype=jnp.int32),
             jnp.sum(nonzero, dtype=jnp.int32))
 

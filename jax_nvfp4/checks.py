@@ -34,21 +34,8 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     stacked = tuple(stacked)
     lead = len(stacked)
 
-    for name, x in (("key", key), ("value", value)):
-        if dtype_name(x.dtype) not in _FLOAT_INPUTS:
-            raise TypeError(f"{name} must be bfloat16 or float16, got {dtype_name(x.dtype)}")
-        if len(x.shape) != 3 + lead:
-            raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_size], "
-                             f"got shape {tuple(x.shape)}")
-    if key.dtype != value.dtype:
-        raise TypeError(f"value must have key's dtype {dtype_name(key.dtype)}, "
-                        f"got {dtype_name(value.dtype)}")
-    if tuple(key.shape) != tuple(value.shape):
-        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
-    num_tokens, num_kv_heads, head_size = key.shape[lead:]
-    if num_kv_heads <= 0:
-        raise ValueError(f"key must have at least one kv head, got shape {tuple(key.shape)}")
-    _layout.check_head_size(head_size, v_scale_swizzle, argument="key head_size")
+    num_tokens, num_kv_heads, head_size = check_key_value(key, value, v_scale_swizzle,
+                                                          lead=lead)
 
     if dtype_name(kv_cache.dtype) != "uint8":
         raise TypeError(f"kv_cache must be uint8 (see kv_cache_shape), got {dtype_name(kv_cache.dtype)}")
@@ -81,6 +68,34 @@ def check_store_args(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, la
     check_scale(k_scale, "k_scale", layer_shapes)
     check_scale(v_scale, "v_scale", layer_shapes)
     return geometry
+
+
+def check_key_value(key, value, v_scale_swizzle, *, lead=0, dtypes=_FLOAT_INPUTS):
+    """key and value as the store takes them: ``[num_tokens, num_kv_heads, head_size]`` (after
+    ``lead`` stacked axes), one of ``dtypes`` (bfloat16 or float16 for the store), the same
+    dtype and shape, head_size a multiple of 16 (of 64 with ``v_scale_swizzle``). Returns
+    ``(num_tokens, num_kv_heads, head_size)``; errors name the argument."""
+    for name, x in (("key", key), ("value", value)):
+        if dtype_name(x.dtype) not in dtypes:
+            raise TypeError(f"{name} must be {_one_of(dtypes)}, got {dtype_name(x.dtype)}")
+        if len(x.shape) != 3 + lead:
+            raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_size], "
+                             f"got shape {tuple(x.shape)}")
+    if key.dtype != value.dtype:
+        raise TypeError(f"value must have key's dtype {dtype_name(key.dtype)}, "
+                        f"got {dtype_name(value.dtype)}")
+    if tuple(key.shape) != tuple(value.shape):
+        raise ValueError(f"value must have key's shape {tuple(key.shape)}, got {tuple(value.shape)}")
+    num_tokens, num_kv_heads, head_size = key.shape[lead:]
+    if num_kv_heads <= 0:
+        raise ValueError(f"key must have at least one kv head, got shape {tuple(key.shape)}")
+    _layout.check_head_size(head_size, v_scale_swizzle, argument="key head_size")
+    return num_tokens, num_kv_heads, head_size
+
+
+def _one_of(names):
+    """'bfloat16 or float16', 'bfloat16, float16 or float32'."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def check_kv_cache(kv_cache, layout, v_scale_swizzle, argument="kv_cache"):

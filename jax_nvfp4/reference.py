@@ -127,6 +127,25 @@ def quantize_blocks(x, scale, scale_search="default"):
     return e2m1_codes(x, out_scale[..., None]), byte
 
 
+def dequantize_blocks(codes, scale_bytes, scale):
+    """Codes ``[..., 16]`` (sign in bit 3) and their block scale bytes ``[...]`` -> the float32
+    values they stand for at the global scale ``scale`` (docs/format.md §1). Left to right as
+    §1 writes it: E2M1 * E4M3 is exact, then one rounding."""
+    return (e2m1_values(codes) * e4m3_decode(scale_bytes)[..., None]) * _scalar(scale)
+
+
+def largest_stored(scale):
+    """``6 * 448 * scale`` in float32, rounded on its own: the largest magnitude a cache holds
+    at the global scale ``scale`` (larger values, Inf included, are stored as it)."""
+    return _rounded(jnp.float32(_layout.LARGEST_STORED) * _scalar(scale))
+
+
+def e4m3_below_normal(byte):
+    """Whether E4M3 bytes are subnormal or zero: exponent field 0, below 2**-6, where a block
+    scale keeps 0 to 3 significant bits (NaN bytes are not)."""
+    return (byte & 0x78) == 0
+
+
 def pack_codes(codes):
     """[..., 2n] codes -> [..., n] bytes, element 2k in the low nibble of byte k."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -188,10 +207,9 @@ def dequantize_pages(pages, geo, k_scale, v_scale, *, v_scale_swizzle=True, dtyp
         packed = jnp.take(flat, jnp.asarray(geo.data_offsets(), jnp.int32), axis=-1)
         scale_bytes = jnp.take(flat, jnp.asarray(geo.scale_offsets(side == 1, v_scale_swizzle),
                                                  jnp.int32), axis=-1)
-        values = e2m1_values(unpack_codes(packed))                     # [..., H, T, D]
-        values = values.reshape(*values.shape[:-1], geo.scales_per_head, _BLOCK)
-        # Left to right as docs/format.md §1 writes it: E2M1 * E4M3 is exact, one rounding.
-        x = (values * e4m3_decode(scale_bytes)[..., None]) * _scalar(scale)
+        codes = unpack_codes(packed)                                   # [..., H, T, D]
+        codes = codes.reshape(*codes.shape[:-1], geo.scales_per_head, _BLOCK)
+        x = dequantize_blocks(codes, scale_bytes, scale)
         x = x.reshape(*lead, geo.num_kv_heads, geo.block_size, geo.head_size)
         out.append(jnp.swapaxes(x, -3, -2).astype(dtype))             # [..., T, H, D]
     return tuple(out)

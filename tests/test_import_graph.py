@@ -9,7 +9,8 @@ The layers, each importing only from those above it:
 3. ``reference`` (pure jnp: store, reader, attention), ``partitioning`` (rules under a
    multi-device jit)
 4. ``primitive`` (the store primitive)
-5. ``api`` (public store, allocator, reader), ``attention_primitive`` (the decode primitive)
+5. ``api`` (public store, allocator, reader), ``attention_primitive`` (the decode primitive),
+   ``outliers`` (the calibration report and the head-dimension rotation)
 6. ``ragged_primitive`` (the ragged-attention primitive; uses the decode primitive's split plan)
 7. ``attention`` (public decode and ragged attention), ``testing`` (assertions for tests)
 8. ``sharding`` (tensor-parallel API: the head-grouped cache)
@@ -27,7 +28,7 @@ LAYERS = [
     {"checks"},
     {"reference", "partitioning"},
     {"primitive"},
-    {"api", "attention_primitive"},
+    {"api", "attention_primitive", "outliers"},
     {"ragged_primitive"},
     {"attention", "testing"},
     {"sharding"},
