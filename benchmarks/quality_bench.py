@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -127,6 +128,15 @@ def rotated(round_trip):
     return fn
 
 
+def per_head(round_trip):
+    """A round trip with one global scale per kv head: x [..., H, D], scales [H] (simulated:
+    the library takes one scale per tensor; each head is quantised as a tensor of its own)."""
+    def fn(x, scales):
+        return jnp.stack([round_trip(x[..., h, :], scales[h]) for h in range(x.shape[-2])],
+                         axis=-2)
+    return fn
+
+
 #: Round trips by name: (function of (x, scale), needs a global scale, bits per stored value
 #: at head size D as a function of D).
 ROUND_TRIPS = {
@@ -139,6 +149,8 @@ ROUND_TRIPS = {
     "nvfp4_hadamard": (rotated(nvfp4_round_trip), True, lambda d: 4.5),
     "nvfp4_4over6_hadamard": (rotated(lambda x, s: nvfp4_round_trip(x, s, "4over6")), True,
                               lambda d: 4.5),
+    # Scales [layers, 2, kv heads] (benchmarks/outlier_bench.py); not in this bench's tables.
+    "nvfp4_per_head": (per_head(nvfp4_round_trip), True, lambda d: 4.5),
 }
 
 
@@ -194,21 +206,33 @@ def calibration_windows(num=CALIBRATION_WINDOWS, seed=CALIBRATION_SEED, root=Non
     return stream[starts[:, None] + np.arange(train_tiny_lm.EVAL_LENGTH)]
 
 
-def calibration_stats(cfg, params, windows, rotate=False):
-    """Per layer and side (K, V): amax and the 99.9th percentile of |x| over the windows' K
-    (after RoPE) and V, as the cache would be given them (bf16), optionally rotated."""
+def cache_inputs(cfg, params, windows, rotate=False, inject=None):
+    """Per layer, (K, V) of the windows as the cache would be given them: K after RoPE, both
+    bf16 (as float32 arrays ``[B, T-1, Hkv, D]``), optionally rotated; ``inject(params, layer,
+    k, v) -> (k, v)`` (see :func:`make_scorer`) first when given."""
     _, ks, vs = jax.jit(lambda p, t: tiny_lm.forward(cfg, p, t))(
         params, jnp.asarray(windows[:, :-1], jnp.int32))
-    stats = []
-    for k, v in zip(ks, vs):
+    out = []
+    for i, (k, v) in enumerate(zip(ks, vs)):
+        if inject is not None:
+            k, v = inject(params, i, k, v)
         layer = []
         for x in (k, v):
             x = to_bf16(x)
             if rotate:
                 x = x @ jnp.asarray(hadamard(x.shape[-1]))
-            a = np.abs(np.asarray(x, np.float32)).ravel()
-            layer.append({"amax": float(a.max()), "p99.9": float(np.percentile(a, 99.9))})
-        stats.append(layer)
+            layer.append(np.asarray(x, np.float32))
+        out.append(tuple(layer))
+    return out
+
+
+def calibration_stats(cfg, params, windows, rotate=False):
+    """Per layer and side (K, V): amax and the 99.9th percentile of |x| over the windows' K
+    (after RoPE) and V, as the cache would be given them (bf16), optionally rotated."""
+    stats = []
+    for layer in cache_inputs(cfg, params, windows, rotate):
+        stats.append([{"amax": float(np.abs(x).max()),
+                       "p99.9": float(np.percentile(np.abs(x).ravel(), 99.9))} for x in layer])
     return stats
 
 
@@ -224,13 +248,22 @@ def format_scales(fmt: Format, stats) -> np.ndarray:
 # --------------------------------------------------------------------------- teacher-forced
 
 
-def make_scorer(cfg, round_trip: str):
+@functools.cache
+def make_scorer(cfg, round_trip: str, inject=None):
     """jit: (params, windows [B, T], scales [layers, 2], float32 log-probs [B, T-1, V]) ->
-    per window (bits, correct, agree, kl) sums, and the logits."""
+    per window (bits, correct, agree, kl) sums, and the logits. One per (cfg, round trip,
+    inject): a second call returns the same compiled function.
+
+    ``inject(params, layer, k, v) -> (k, v)``, when given, changes each layer's K and V before
+    the round trip (e.g. outliers; benchmarks/outlier_bench.py): the model attends to the
+    round trip of the changed K and V. It may read entries of ``params`` the model does not
+    use (traced arguments: new values do not recompile)."""
     fn = ROUND_TRIPS[round_trip][0]
 
     def score(params, windows, scales, ref_logp):
         def transform(i, k, v):
+            if inject is not None:
+                k, v = inject(params, i, k, v)
             return fn(k, scales[i, 0]), fn(v, scales[i, 1])
 
         logits, _, _ = tiny_lm.forward(cfg, params, windows[:, :-1], kv_transform=transform)
@@ -247,9 +280,14 @@ def make_scorer(cfg, round_trip: str):
     return jax.jit(score)
 
 
-def teacher_forced(cfg, params, windows, formats, stats, rotated_stats=None, log=print):
+def teacher_forced(cfg, params, windows, formats, stats, rotated_stats=None, log=print, *,
+                   scales_of=None, inject=None):
     """Scores every format on every window. Returns ``{label: {metric: [N] per window}}`` and
-    the float32 and per-format logits of the first windows (for the decode check)."""
+    the float32 and per-format logits of the first windows (for the decode check).
+
+    ``scales_of(fmt)``, when given, gives each format's global scales instead of
+    :func:`format_scales` of ``stats`` (or ``rotated_stats``); ``inject`` is
+    :func:`make_scorer`'s, for every format (float32 included)."""
     windows = np.asarray(windows, np.int32)
     n, t = windows.shape
     batch = min(EVAL_BATCH, n)
@@ -262,9 +300,12 @@ def teacher_forced(cfg, params, windows, formats, stats, rotated_stats=None, log
     for fmt in order:
         has_scale = ROUND_TRIPS[fmt.round_trip][1]
         use = rotated_stats if "hadamard" in fmt.round_trip else stats
-        scales = format_scales(fmt, use) if has_scale else np.ones((cfg.layers, 2), np.float32)
+        if not has_scale:
+            scales = np.ones((cfg.layers, 2), np.float32)
+        else:
+            scales = scales_of(fmt) if scales_of is not None else format_scales(fmt, use)
         if fmt.round_trip not in scorers:
-            scorers[fmt.round_trip] = make_scorer(cfg, fmt.round_trip)
+            scorers[fmt.round_trip] = make_scorer(cfg, fmt.round_trip, inject)
         t0 = time.perf_counter()
         sums = {k: [] for k in ("bits", "correct", "agree", "kl")}
         for i in range(0, padded, batch):
