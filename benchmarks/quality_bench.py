@@ -64,6 +64,7 @@ import paged_decode  # noqa: E402
 import stdlib_corpus  # noqa: E402
 import tiny_lm  # noqa: E402
 import train_tiny_lm  # noqa: E402
+import jax_nvfp4  # noqa: E402
 from jax_nvfp4 import reference  # noqa: E402
 
 CALIBRATION_WINDOWS = 16
@@ -111,11 +112,8 @@ def int4_round_trip(x):
 
 def hadamard(n: int) -> np.ndarray:
     """Orthonormal Sylvester-Hadamard matrix of size n (a power of two); symmetric, its own
-    inverse."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return (h / math.sqrt(n)).astype(np.float32)
+    inverse: the library's rotation (:func:`jax_nvfp4.hadamard_matrix`)."""
+    return jax_nvfp4.hadamard_matrix(n)
 
 
 def rotated(round_trip):

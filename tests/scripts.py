@@ -1,7 +1,10 @@
-"""The repository's scripts (examples/, benchmarks/) loaded as modules by the tests."""
+"""The repository's scripts (examples/, benchmarks/) loaded as modules by the tests, or run as
+commands on the CPU."""
 
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -15,3 +18,15 @@ def load_script(relative_path, module_name):
     sys.modules[module_name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def run_on_cpu(relative_path, *args, time_limit_s):
+    """Runs ``python ROOT/relative_path args...`` from the repository root in its own process on
+    JAX's CPU backend (``JAX_PLATFORMS=cpu``), killed past ``time_limit_s`` (a hang fails);
+    asserts exit status 0 (the output's tail in the message) and returns the CompletedProcess
+    (text stdout and stderr)."""
+    done = subprocess.run([sys.executable, str(ROOT / relative_path), *map(str, args)], cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=time_limit_s,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    return done

@@ -7,22 +7,15 @@ JSON (and the PNG where matplotlib is installed). About 20 s on 2 CPU cores.
 
 import importlib.util
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention_bench.py"
+from scripts import run_on_cpu
+
+BENCH_PATH = "benchmarks/attention_bench.py"
 TIME_LIMIT_S = 240  # a hang fails; the run itself takes about 20 s
 
 
 def test_attention_bench_quick(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=TIME_LIMIT_S, env=env,
-                          cwd=BENCH.parents[1])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_on_cpu(BENCH_PATH, "--quick", "--out", tmp_path, time_limit_s=TIME_LIMIT_S).stdout
     assert "sanity: kernel output finite" in out
     # On a CPU: said once, first; no GPU target evaluated (no PASS/FAIL); rows labelled by what
     # ran; the ceiling in its own units; where the files went.

@@ -9,18 +9,14 @@ and not at headroom 1; the store path agrees with the round trip bit for bit.
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scripts import load_script
+from scripts import load_script, run_on_cpu
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "outlier_bench.py"
+BENCH_PATH = "benchmarks/outlier_bench.py"
 TIME_LIMIT_S = 300  # a hang fails; the run itself takes about 25 s
 
 
@@ -30,11 +26,7 @@ def bench():
 
 
 def test_outlier_bench_quick(tmp_path):
-    command = [sys.executable, str(BENCH), "--quick", "--out", str(tmp_path)]
-    done = subprocess.run(command, cwd=BENCH.parents[1], env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          timeout=TIME_LIMIT_S, capture_output=True, text=True)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    out = done.stdout
+    out = run_on_cpu(BENCH_PATH, "--quick", "--out", tmp_path, time_limit_s=TIME_LIMIT_S).stdout
     assert out.count("NOTE: --quick: a smoke run") == 1 and out.startswith("NOTE: --quick")
     json_path, md_path = tmp_path / "outlier_bench.json", tmp_path / "outlier_bench.md"
     assert f"wrote {json_path}, {md_path}" in out

@@ -7,19 +7,15 @@ temporary folder: about 50 s on 2 CPU cores; the other tests take a few seconds.
 
 import importlib.util
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scripts import load_script
+from scripts import load_script, run_on_cpu
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "prefill_bench.py"
+BENCH_PATH = "benchmarks/prefill_bench.py"
 TIME_LIMIT_S = 300  # a hang fails; the run itself takes about 50 s
 QUICK_POINTS = ("chunked1x32", "chunked2x16", "prefix2x16", "spec2x4", "spec2x8", "mixed2+2x16")
 
@@ -30,11 +26,7 @@ def bench():
 
 
 def _run_quick(out_dir):
-    command = [sys.executable, str(BENCH), "--quick", "--out", str(out_dir)]
-    done = subprocess.run(command, cwd=BENCH.parents[1], env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          timeout=TIME_LIMIT_S, capture_output=True, text=True)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    return done.stdout
+    return run_on_cpu(BENCH_PATH, "--quick", "--out", out_dir, time_limit_s=TIME_LIMIT_S).stdout
 
 
 def test_prefill_bench_quick(tmp_path):

@@ -8,22 +8,16 @@ went; the table last. About 15 s on 2 CPU cores.
 
 import importlib.util
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "store_bench.py"
+from scripts import run_on_cpu
+
+BENCH_PATH = "benchmarks/store_bench.py"
 TIME_LIMIT_S = 240
 
 
 def test_store_bench_quick_on_cpu(tmp_path):
-    command = [sys.executable, str(BENCH), "--quick", "--tokens", "16", "--no-cache-sizes",
-               "--methods", "nvfp4 default", "jnp", "--out", str(tmp_path)]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=TIME_LIMIT_S,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"), cwd=BENCH.parents[1])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    out = run_on_cpu(BENCH_PATH, "--quick", "--tokens", "16", "--no-cache-sizes", "--methods",
+                     "nvfp4 default", "jnp", "--out", tmp_path, time_limit_s=TIME_LIMIT_S).stdout
     assert out.count("NOTE: this ran on cpu, not on a GPU: a smoke run.") == 1
     assert out.index("NOTE: this ran on cpu") < out.index("ceiling:")
     assert "TB/s" not in out and "GB/s" in out and "% of ceiling" not in out.split("| tokens")[0]
