@@ -9,7 +9,7 @@ from .api import (allocate_kv_cache, dequantize, reshape_and_cache, scale_from_a
                   slot_mapping_problems)
 from .attention import paged_attention, paged_attention_bf16, ragged_paged_attention
 from .layout import LAYOUTS, MAX_SCALE, MIN_SCALE, SCALE_SEARCHES, head_bytes, kv_cache_shape
-from .outliers import diagnose, hadamard_matrix, hadamard_transform
+from .outliers import channel_factors, diagnose, hadamard_matrix, hadamard_transform
 from . import checks, outliers, reference, sharding
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "MIN_SCALE",
     "SCALE_SEARCHES",
     "allocate_kv_cache",
+    "channel_factors",
     "checks",
     "dequantize",
     "diagnose",

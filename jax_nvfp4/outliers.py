@@ -1,5 +1,6 @@
-"""Outliers: what a global scale does to a calibration batch (:func:`diagnose`) and the
-head-dimension rotation (:func:`hadamard_transform`).
+"""Outliers: what a global scale does to a calibration batch (:func:`diagnose`), the
+head-dimension rotation (:func:`hadamard_transform`) and per-channel factors for outlier
+channels (:func:`channel_factors`).
 
 One float32 global scale covers a whole side (K or V) of a cache. A value far larger than the
 rest (an attention-sink token 1e2 to 1e5 times the others) sets that scale, and every ordinary
@@ -7,8 +8,9 @@ rest (an attention-sink token 1e2 to 1e5 times the others) sets that scale, and 
 significant bits) or zero, and a block whose scale is zero is stored as zeros. Nothing reports
 it: the store writes valid bytes and the readers read plausible small numbers. :func:`diagnose`
 measures it on a calibration batch with the store's own quantiser; the remedies (README,
-"Outliers") are a smaller headroom (``scale_from_amax(amax, headroom=1)``) and, for outliers
-confined to a few channels of a token, the rotation.
+"Outliers") are a smaller headroom (``scale_from_amax(amax, headroom=1)``) for token outliers,
+power-of-two channel factors for outlier channels and, for outliers confined to a few channels
+of a token, the rotation.
 """
 
 from __future__ import annotations
@@ -329,3 +331,67 @@ def hadamard_transform(x):
     xf = x.astype(jnp.float32).reshape(*x.shape[:-1], head_size // block, block)
     y = jnp.matmul(xf, jnp.asarray(_sylvester(block)), precision=jax.lax.Precision.HIGHEST)
     return y.reshape(x.shape).astype(x.dtype)
+
+
+#: Channels whose calibration amax is at least this many times their head's median channel
+#: amax get a factor in :func:`channel_factors`.
+CHANNEL_FACTOR_THRESHOLD = 8.0
+#: The largest factor exponent: 2**126 keeps any float32 amax above the smallest normal.
+_MAX_FACTOR_EXPONENT = 126
+
+
+def channel_factors(channel_amax, *, threshold=CHANNEL_FACTOR_THRESHOLD):
+    """Power-of-two factors per channel that bring outlier channels back to their head's size.
+
+    ``channel_amax`` is a calibration batch's largest magnitude per channel, e.g.
+    ``jnp.max(jnp.abs(k), axis=0)`` of K ``[tokens, num_kv_heads, head_size]`` (after RoPE, as
+    the cache is given it): ``[..., head_size]``. A channel whose amax is at least
+    ``threshold`` times the median channel amax of its row (its kv head) gets ``2**round(log2(
+    amax / median))``, every other channel 1: float32 ``[..., head_size]``, exact powers of
+    two, at least 1.
+
+    The recipe (README, "Outliers"): a few channels of K 10 to 1000 times the rest on every
+    token (channel outliers) set the block scale of their 16-value block, whose other values
+    then round to zero; no global scale helps and the Hadamard rotation makes it worse. Divide
+    them out before the store and put them back where they are used, per kv head ``h`` and
+    channel ``c``, with ``f = channel_factors(k_amax)`` (``[num_kv_heads, head_size]``):
+
+    * store ``k / f`` (``k_scale`` calibrated on ``k / f``) and attend with ``q * f_q`` as the
+      query, ``f_q = jnp.repeat(f, num_q_heads // num_kv_heads, axis=0)`` (each query head
+      takes its kv head's factors): ``(q f) . (k / f) = q . k``;
+    * likewise V: store ``v / g`` (``g = channel_factors(v_amax)``) and multiply the attention
+      output by ``jnp.repeat(g, group, axis=0)`` (the output is linear in each channel of v).
+
+    Dividing and multiplying by powers of two is exact in bf16, fp16 and float32 (away from
+    their range limits), so the recipe changes nothing but what the cache stores; it happens
+    outside the kernels, so it holds for every reader and backend. jit-compatible.
+
+    Args:
+      channel_amax: a float array ``[..., head_size]`` (NaN or negative entries count as 0:
+        factor 1).
+      threshold: a Python number > 1.
+
+    Returns:
+      float32 factors, ``channel_amax``'s shape.
+
+    Raises:
+      TypeError: ``channel_amax`` is not a real array, ``threshold`` not a number.
+      ValueError: ``threshold`` not > 1, or ``channel_amax`` a scalar.
+    """
+    if isinstance(threshold, (bool, np.bool_)) or not isinstance(
+            threshold, (int, float, np.integer, np.floating)):
+        raise TypeError(f"threshold must be a number > 1, got {threshold!r}")
+    if not (math.isfinite(float(threshold)) and float(threshold) > 1):
+        raise ValueError(f"threshold must be a finite number > 1, got {threshold!r}")
+    a = channel_amax if hasattr(channel_amax, "dtype") else jnp.asarray(channel_amax)
+    if not (jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.integer)):
+        raise TypeError(f"channel_amax must be a real array, got {checks.dtype_name(a.dtype)}")
+    if not a.shape:
+        raise ValueError("channel_amax must have at least one axis (channels are its last)")
+    a = jnp.asarray(a, jnp.float32)
+    a = jnp.where(a > 0, a, 0.0)                                   # NaN and negatives: 0
+    median = jnp.median(a, axis=-1, keepdims=True)
+    ratio = jnp.where(median > 0, a / jnp.where(median > 0, median, 1.0), 0.0)
+    exponent = jnp.where(ratio >= np.float32(threshold), jnp.round(jnp.log2(ratio)), 0.0)
+    exponent = jnp.clip(exponent, 0, _MAX_FACTOR_EXPONENT).astype(jnp.int32)
+    return jnp.ldexp(jnp.ones_like(a), exponent)

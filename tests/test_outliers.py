@@ -675,3 +675,131 @@ def test_gpu_store_kernel_under_a_sink_is_the_reference(scale_search):
     k = np.asarray(k).reshape(key.shape)
     kf = _f64(key)
     assert _rel(k[ordinary], kf[ordinary]) < 0.16    # measured on the CPU: 0.1408 (default)
+
+
+# ============================================================================ channel factors
+
+
+def test_channel_factors_are_powers_of_two_for_outlier_channels_only():
+    key, _ = _key("channel")                     # channel OUTLIER_CHANNEL of every token x100
+    amax = jnp.max(jnp.abs(key.astype(jnp.float32)), axis=0)          # [H, D]
+    f = np.asarray(jax_nvfp4.channel_factors(amax))
+    assert f.shape == (NUM_KV_HEADS, HEAD_SIZE) and f.dtype == np.float32
+    assert np.all(f[:, OUTLIER_CHANNEL] >= 32)          # x100 over a median near 3: 2**5..2**7
+    others = np.delete(f, OUTLIER_CHANNEL, axis=1)
+    assert np.all(others == 1)
+    exponents = np.log2(f)
+    assert np.all(exponents == np.round(exponents))                    # exact powers of two
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax_nvfp4.channel_factors)(amax)), f)
+    gaussian = jnp.max(jnp.abs(_gaussian()[0]), axis=0)
+    assert np.all(np.asarray(jax_nvfp4.channel_factors(gaussian)) == 1)
+    # x / f is exact in bf16: the recipe changes nothing but what is stored.
+    scaled = key / jnp.asarray(f, jnp.bfloat16)
+    np.testing.assert_array_equal(_f64(scaled * jnp.asarray(f, jnp.bfloat16)), _f64(key))
+
+
+def test_channel_factors_edge_cases_and_errors():
+    f = np.asarray(jax_nvfp4.channel_factors(np.array([[1, 1, 1, 100.0, np.nan, -5, np.inf, 0]])))
+    assert f[0, 3] == 128 and f[0, 6] == 2.0 ** 126
+    assert np.all(f[0, [0, 1, 2, 4, 5, 7]] == 1)
+    assert np.all(np.asarray(jax_nvfp4.channel_factors(np.zeros((2, 16)))) == 1)
+    assert np.asarray(jax_nvfp4.channel_factors(np.array([1, 1, 1, 7.9]))).max() == 1
+    assert np.asarray(jax_nvfp4.channel_factors(np.array([1, 1, 1, 7.9]), threshold=4)).max() == 8
+    with pytest.raises(ValueError, match="threshold"):
+        jax_nvfp4.channel_factors(np.ones(4), threshold=1)
+    with pytest.raises(TypeError, match="threshold"):
+        jax_nvfp4.channel_factors(np.ones(4), threshold="8")
+    with pytest.raises(ValueError, match="channel_amax"):
+        jax_nvfp4.channel_factors(np.float32(3))
+    with pytest.raises(TypeError, match="channel_amax"):
+        jax_nvfp4.channel_factors(np.ones(4, np.complex64))
+
+
+@functools.lru_cache(maxsize=None)
+def _channel_recipe(ragged, impl):
+    """README's channel-factor recipe, one jitted function of (q, key, value): K and V divided
+    by their factors before the store, q times K's and the output times V's (per query head:
+    its kv head's)."""
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+
+    def run(q, key, value):
+        f_k, f_v = (jax_nvfp4.channel_factors(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=0))
+                    for x in (key, value))
+        key, value = key / f_k.astype(key.dtype), value / f_v.astype(value.dtype)
+        q = q * jnp.repeat(f_k, group, axis=0)
+        k_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(key.astype(jnp.float32))))
+        v_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(value.astype(jnp.float32))))
+        cache = jax_nvfp4.allocate_kv_cache(_NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+        slots = jnp.arange(NUM_SEQS * SEQ_LEN, dtype=jnp.int32)
+        cache = jax_nvfp4.reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
+        tables, lens = jnp.asarray(_TABLES), jnp.asarray(_LENS)
+        if ragged:
+            out = jax_nvfp4.ragged_paged_attention(q, cache, tables, lens,
+                                                   jnp.asarray(_CU_Q_LENS), jnp.int32(NUM_SEQS),
+                                                   k_scale, v_scale, impl=impl)
+        else:
+            out = jax_nvfp4.paged_attention(q, cache, tables, lens, k_scale, v_scale, impl=impl)
+        return out * jnp.repeat(f_v, group, axis=0)
+    return jax.jit(run)
+
+
+def _compensated(ragged):
+    """q and K/V of a realistic channel outlier: channel OUTLIER_CHANNEL of every token's K x100
+    and of every query /100, so float attention is that of the Gaussian data (how real outlier
+    channels are harmless in float: the model's own q and k weights carry the inverse scales)
+    while the plain store crushes the other 15 values of the outlier's block."""
+    q = _queries(ragged)
+    q = q.at[..., OUTLIER_CHANNEL].divide(100)
+    key, value = _attention_kv("channel")
+    return q, key, value
+
+
+def _run(recipe, platform, q, key, value):
+    return np.asarray(recipe(*jax.device_put((q, key, value), jax.devices(platform)[0])))
+
+
+# Measured on the CPU (the jnp path), mean row error against float64 attention, decode /
+# ragged, a K channel x100 with the queries' /100: plain store 0.2987 / 0.3049, with the
+# channel factors 0.1318 / 0.1323 (Gaussian data, no factor: 0.1320 / 0.1326).
+CHANNEL_RECIPE_BOUNDS = {"plain": 0.25, "factors": 0.145}
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["paged_attention", "ragged"])
+@pytest.mark.parametrize("platform, impl", READERS)
+def test_channel_factor_recipe_through_the_readers(platform, impl, ragged):
+    q, key, value = _compensated(ragged)
+    ref = _float_reference(q, key, value, ragged)
+    errors = {}
+    for name, recipe in (("plain", _recipe(False, ragged, impl)),
+                         ("factors", _channel_recipe(ragged, impl))):
+        out = _run(recipe, platform, q, key, value)
+        assert out.shape == ref.shape and out.dtype == np.float32
+        errors[name] = _row_error(out, ref)
+        if platform != "cpu":
+            cpu_recipe = (_recipe(False, ragged, "jnp") if name == "plain"
+                          else _channel_recipe(ragged, "jnp"))
+            with jax.default_device(CPU):
+                want = _run(cpu_recipe, "cpu", q, key, value)
+            assert _rel(out, want) < KERNEL_VS_JNP_L2, name
+    print({name: round(e, 4) for name, e in errors.items()})
+    # The plain store loses the outlier's block; with the factors the error is the format's
+    # own (the Gaussian level, RECIPE_BOUNDS["gaussian"]).
+    assert errors["plain"] > CHANNEL_RECIPE_BOUNDS["plain"]
+    assert errors["factors"] < CHANNEL_RECIPE_BOUNDS["factors"]
+
+
+def test_channel_factor_recipe_is_exact_in_float():
+    """Dividing K and V by power-of-two factors and multiplying q and the output by them
+    leaves attention unchanged: over float32 caches the two agree to float32 rounding."""
+    q, key, value = _compensated(False)
+    key, value = key.astype(jnp.float32), value.astype(jnp.float32)
+    group = NUM_Q_HEADS // NUM_KV_HEADS
+    f_k, f_v = (jax_nvfp4.channel_factors(jnp.max(jnp.abs(x), axis=0)) for x in (key, value))
+    pages = (_NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    tables, lens = jnp.asarray(_TABLES), jnp.asarray(_LENS)
+    plain = jax_nvfp4.paged_attention_bf16(q, key.reshape(pages), value.reshape(pages), tables,
+                                           lens)
+    scaled = jax_nvfp4.paged_attention_bf16(
+        q * jnp.repeat(f_k, group, axis=0), (key / f_k).reshape(pages),
+        (value / f_v).reshape(pages), tables, lens) * jnp.repeat(f_v, group, axis=0)
+    assert _rel(scaled, plain) < 1e-5
