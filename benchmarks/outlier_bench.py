@@ -27,7 +27,9 @@ NVFP4 at headroom 6, 3, 2 and 1; 4over6 block scales (``scale_search="4over6"``)
 and 1; one global scale per kv head from that head's amax (simulated: the library takes one
 per tensor, so each head is quantised as a tensor of its own), headroom 6 and 1; a Hadamard
 rotation of the head dimension (rotate, store, read, rotate back; the global scale from the
-rotated tensor's amax), headroom 6 and 1. The NVFP4 values are the library's bytes
+rotated tensor's amax), headroom 6 and 1; power-of-two channel factors
+(:func:`jax_nvfp4.channel_factors` of the tensor's own channel amaxes: ``x / f`` stored, ``f``
+times it read back), headroom 6 and 1 and 4over6 at headroom 1. The NVFP4 values are the library's bytes
 (:func:`jax_nvfp4.reference.quantize_blocks` through quality_bench's round trips); every NVFP4
 row is also stored with ``jax_nvfp4.reshape_and_cache`` (K and V in one store; per head and
 rotated alike) and read back with ``jax_nvfp4.dequantize``, and the two must agree bit for bit
@@ -67,7 +69,9 @@ must leave the float32 model meaningful, so each is put where float32 attention 
 Global scales are calibrated per layer and side on quality_bench's calibration windows (training
 text) with the same outliers, as a server would calibrate on its own data. Formats: float32 (the
 reference), fp8 per tensor, NVFP4 headroom 6 (default) and 1, 4over6 at headroom 6 and 1,
-per-kv-head scales at headroom 6 and 1, Hadamard at headroom 6 and 1. Metrics: quality_bench's
+per-kv-head scales at headroom 6 and 1, Hadamard at headroom 6 and 1, channel factors
+(:func:`jax_nvfp4.channel_factors` of the calibration's per-channel amax) at headroom 6 and 1 and
+with 4over6 at headroom 1. Metrics: quality_bench's
 (bits/byte, KL(float32 || format), argmax agreement with float32; standard errors clustered by
 file; differences paired on the same windows). Also printed: the held-out K and V's largest
 magnitude over the calibration amax (above 1, headroom 1 clips those values).
@@ -158,6 +162,10 @@ class Method:
     def rotated(self):
         return "hadamard" in self.round_trip
 
+    @property
+    def channels(self):
+        return self.round_trip.endswith("channels")
+
 
 SYN_METHODS = (
     Method("fp8", "fp8", E4M3_MAX),
@@ -171,11 +179,16 @@ SYN_METHODS = (
     Method("head h1", "nvfp4_per_head", headroom_divisor(1)),
     Method("Had h6", "nvfp4_hadamard", headroom_divisor(6)),
     Method("Had h1", "nvfp4_hadamard", headroom_divisor(1)),
+    Method("chan h6", "nvfp4_channels", headroom_divisor(6)),
+    Method("chan h1", "nvfp4_channels", headroom_divisor(1)),
+    Method("4o6 chan h1", "nvfp4_4over6_channels", headroom_divisor(1), "4over6"),
 )
 SYN_LEGEND = ("fp8: E4M3 per tensor, amax/448. h6 (default): NVFP4 amax/448 (today's "
               "scale_from_amax); h3: amax/(448*2); h2: amax/(448*3); h1: amax/(448*6). 4o6: "
               "4over6 block scales. head: one global scale per kv head. Had: Hadamard rotation "
-              "of the head dimension (scale from the rotated tensor's amax).")
+              "of the head dimension (scale from the rotated tensor's amax). chan: "
+              "jax_nvfp4.channel_factors from the tensor's own channel amaxes, x / f stored, "
+              "f x read back (scale from x / f's amax).")
 
 
 def synthetic_tensor(case, side, shape=SYN_SHAPE):
@@ -200,6 +213,9 @@ def method_scale(method, x):
     """The method's global scale(s) for x [T, H, D]: float32 scalar, or [H] per head."""
     if method.rotated:
         x = np.asarray(qb.to_bf16(jnp.asarray(x) @ jnp.asarray(qb.hadamard(x.shape[-1]))))
+    if method.channels:                  # the global scale times each channel's factor [H, D]
+        f = np.asarray(jax_nvfp4.channel_factors(np.abs(x).max(axis=0)))
+        return (np.abs(x / f).max() / np.float32(method.divisor) * f).astype(np.float32)
     a = np.abs(x)
     amax = a.max(axis=(0, 2)) if method.per_head else a.max()
     return (amax / np.float32(method.divisor)).astype(np.float32)
@@ -224,6 +240,11 @@ def store_path(method, k, v, k_scale, v_scale):
                                 np.asarray(jnp.asarray(k) @ h), np.asarray(jnp.asarray(v) @ h),
                                 k_scale, v_scale)
         return np.asarray(jnp.asarray(k_rt) @ h), np.asarray(jnp.asarray(v_rt) @ h)
+    if method.channels:                  # x / f stored with the global scale, f x read back
+        f_k, f_v = (np.asarray(s) / np.min(s) for s in (k_scale, v_scale))
+        plain = dataclasses.replace(method, round_trip="nvfp4")
+        k_rt, v_rt = store_path(plain, k / f_k, v / f_v, np.min(k_scale), np.min(v_scale))
+        return k_rt * f_k, v_rt * f_v
     if method.per_head:
         one = dataclasses.replace(method, round_trip="nvfp4")
         parts = [store_path(one, k[:, i:i + 1], v[:, i:i + 1], k_scale[i], v_scale[i])
@@ -323,6 +344,9 @@ MODEL_FORMATS = (
     F("NVFP4 per-kv-head scales, headroom 1", "nvfp4_per_head", "amax/(448*6)"),
     F("NVFP4 + Hadamard, headroom 6", "nvfp4_hadamard"),
     F("NVFP4 + Hadamard, headroom 1", "nvfp4_hadamard", "amax/(448*6)"),
+    F("NVFP4 channel factors, headroom 6", "nvfp4_channels"),
+    F("NVFP4 channel factors, headroom 1", "nvfp4_channels", "amax/(448*6)"),
+    F("NVFP4 4over6 + channel factors, headroom 1", "nvfp4_4over6_channels", "amax/(448*6)"),
 )
 #: Paired comparisons: (remedy, against).
 COMPARISONS = (
@@ -332,6 +356,9 @@ COMPARISONS = (
     ("NVFP4 per-kv-head scales, headroom 1", "NVFP4 headroom 1"),
     ("NVFP4 + Hadamard, headroom 6", "NVFP4 default (headroom 6)"),
     ("NVFP4 + Hadamard, headroom 1", "NVFP4 headroom 1"),
+    ("NVFP4 channel factors, headroom 6", "NVFP4 default (headroom 6)"),
+    ("NVFP4 channel factors, headroom 1", "NVFP4 headroom 1"),
+    ("NVFP4 4over6 + channel factors, headroom 1", "NVFP4 4over6, headroom 1"),
 )
 
 
@@ -416,14 +443,22 @@ def case_stats(cfg, p, calib):
     inputs = qb.cache_inputs(cfg, p, calib, inject=inject_sink)
     h = qb.hadamard(cfg.head_size)
     amax = lambda x, axis=None: {"amax": np.abs(x).max(axis=axis)}      # noqa: E731
+
+    def channels(x):                     # amax of x / f times f: the scale rule's result is
+        f = np.asarray(jax_nvfp4.channel_factors(np.abs(x).max(axis=(0, 1))))   # g f [H, D]
+        return {"amax": np.abs(x / f).max() * f}
+
     return {"global": [[amax(x) for x in layer] for layer in inputs],
             "per_head": [[amax(x, (0, 1, 3)) for x in layer] for layer in inputs],
-            "rotated": [[amax(x @ h) for x in layer] for layer in inputs]}
+            "rotated": [[amax(x @ h) for x in layer] for layer in inputs],
+            "channels": [[channels(x) for x in layer] for layer in inputs]}
 
 
 def stats_for(fmt, stats):
     if fmt.round_trip.endswith("per_head"):
         return stats["per_head"]
+    if fmt.round_trip.endswith("channels"):
+        return stats["channels"]
     return stats["rotated" if "hadamard" in fmt.round_trip else "global"]
 
 

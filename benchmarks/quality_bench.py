@@ -135,6 +135,18 @@ def per_head(round_trip):
     return fn
 
 
+def per_channel(round_trip):
+    """A round trip with power-of-two factors per (kv head, channel) that divide x before the
+    store and multiply it after (:func:`jax_nvfp4.channel_factors`' recipe, exact): x [..., H,
+    D]; scale [H, D] the global scale times each channel's factor (its minimum is the global
+    scale: every head keeps channels of factor 1, and the product is exact)."""
+    def fn(x, scale):
+        g = jnp.min(scale)
+        f = scale / g
+        return round_trip(x / f, g) * f
+    return fn
+
+
 #: Round trips by name: (function of (x, scale), needs a global scale, bits per stored value
 #: at head size D as a function of D).
 ROUND_TRIPS = {
@@ -149,6 +161,9 @@ ROUND_TRIPS = {
                               lambda d: 4.5),
     # Scales [layers, 2, kv heads] (benchmarks/outlier_bench.py); not in this bench's tables.
     "nvfp4_per_head": (per_head(nvfp4_round_trip), True, lambda d: 4.5),
+    "nvfp4_channels": (per_channel(nvfp4_round_trip), True, lambda d: 4.5),
+    "nvfp4_4over6_channels": (per_channel(lambda x, s: nvfp4_round_trip(x, s, "4over6")), True,
+                              lambda d: 4.5),
 }
 
 
