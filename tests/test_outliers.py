@@ -556,6 +556,21 @@ def _float_reference(q, key, value, ragged):
     return out
 
 
+def _store_and_attend(q, key, value, ragged, impl):
+    """K/V stored with scales from their own amax (default headroom), then read by the
+    decode reader (one token per sequence) or ragged attention (Q_LENS tokens per sequence)."""
+    k_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(key.astype(jnp.float32))))
+    v_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(value.astype(jnp.float32))))
+    cache = jax_nvfp4.allocate_kv_cache(_NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    slots = jnp.arange(NUM_SEQS * SEQ_LEN, dtype=jnp.int32)
+    cache = jax_nvfp4.reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
+    tables, lens = jnp.asarray(_TABLES), jnp.asarray(_LENS)
+    if ragged:
+        return jax_nvfp4.ragged_paged_attention(q, cache, tables, lens, jnp.asarray(_CU_Q_LENS),
+                                                jnp.int32(NUM_SEQS), k_scale, v_scale, impl=impl)
+    return jax_nvfp4.paged_attention(q, cache, tables, lens, k_scale, v_scale, impl=impl)
+
+
 @functools.lru_cache(maxsize=None)
 def _recipe(rotate, ragged, impl):
     """The README's recipe, one jitted function of (q, key, value): store (rotated) K/V with
@@ -563,18 +578,7 @@ def _recipe(rotate, ragged, impl):
     def run(q, key, value):
         if rotate:
             q, key, value = (jax_nvfp4.hadamard_transform(x) for x in (q, key, value))
-        k_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(key.astype(jnp.float32))))
-        v_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(value.astype(jnp.float32))))
-        cache = jax_nvfp4.allocate_kv_cache(_NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-        slots = jnp.arange(NUM_SEQS * SEQ_LEN, dtype=jnp.int32)
-        cache = jax_nvfp4.reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
-        tables, lens = jnp.asarray(_TABLES), jnp.asarray(_LENS)
-        if ragged:
-            out = jax_nvfp4.ragged_paged_attention(q, cache, tables, lens,
-                                                   jnp.asarray(_CU_Q_LENS), jnp.int32(NUM_SEQS),
-                                                   k_scale, v_scale, impl=impl)
-        else:
-            out = jax_nvfp4.paged_attention(q, cache, tables, lens, k_scale, v_scale, impl=impl)
+        out = _store_and_attend(q, key, value, ragged, impl)
         return jax_nvfp4.hadamard_transform(out) if rotate else out
     return jax.jit(run)
 
@@ -727,18 +731,7 @@ def _channel_recipe(ragged, impl):
                     for x in (key, value))
         key, value = key / f_k.astype(key.dtype), value / f_v.astype(value.dtype)
         q = q * jnp.repeat(f_k, group, axis=0)
-        k_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(key.astype(jnp.float32))))
-        v_scale = jax_nvfp4.scale_from_amax(jnp.max(jnp.abs(value.astype(jnp.float32))))
-        cache = jax_nvfp4.allocate_kv_cache(_NUM_PAGES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-        slots = jnp.arange(NUM_SEQS * SEQ_LEN, dtype=jnp.int32)
-        cache = jax_nvfp4.reshape_and_cache(key, value, cache, slots, k_scale, v_scale)
-        tables, lens = jnp.asarray(_TABLES), jnp.asarray(_LENS)
-        if ragged:
-            out = jax_nvfp4.ragged_paged_attention(q, cache, tables, lens,
-                                                   jnp.asarray(_CU_Q_LENS), jnp.int32(NUM_SEQS),
-                                                   k_scale, v_scale, impl=impl)
-        else:
-            out = jax_nvfp4.paged_attention(q, cache, tables, lens, k_scale, v_scale, impl=impl)
+        out = _store_and_attend(q, key, value, ragged, impl)
         return out * jnp.repeat(f_v, group, axis=0)
     return jax.jit(run)
 
