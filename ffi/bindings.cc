@@ -64,6 +64,9 @@ NB_MODULE(_ffi, m) {
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
   m.def("ragged_resident_ctas_per_sm", &nvfp4::RaggedResidentCtasPerSm,
         "CTAs of the ragged-attention kernel for a head size resident on one SM of the current GPU.");
+  m.def("few_rows_resident_ctas_per_sm", &nvfp4::FewRowsResidentCtasPerSm,
+        "CTAs of ragged attention's few-row kernel for a head size resident on one SM of the "
+        "current GPU.");
 #endif
   m.def("built_with_cuda", []() {
 #if defined(JAX_NVFP4_WITH_CUDA)

@@ -19,5 +19,7 @@ int64_t E2m1CodeMismatchesCuda();
 int DecodeResidentCtasPerSm(int head_size);
 // Likewise for the ragged-attention kernel (its dynamic shared memory included).
 int RaggedResidentCtasPerSm(int head_size);
+// Likewise for ragged attention's few-row kernel (0 for head sizes it does not take).
+int FewRowsResidentCtasPerSm(int head_size);
 }  // namespace nvfp4
 #endif

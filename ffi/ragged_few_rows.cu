@@ -24,6 +24,7 @@
 #include "attention_device.cuh"
 #include "chunk_attention.cuh"
 #include "cuda_common.cuh"
+#include "handlers.h"
 #include "page_chunks.cuh"
 #include "ragged_device.cuh"
 #include "ragged_ffi.h"
@@ -33,8 +34,8 @@ namespace {
 
 constexpr int kThreads = kChunkWarps * 32;
 constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each)
-// CTAs per SM the registers are budgeted for (the split plan assumes it: ragged_primitive.py's
-// _FEW_ROWS_CTAS_PER_SM). Measured on an H200, 2026-12-01: 2 CTAs, 241-243 registers, spec
+// CTAs per SM the registers are budgeted for (the split plan asks the GPU how many fit:
+// FewRowsResidentCtasPerSm). Measured on an H200, 2026-12-01: 2 CTAs, 241-243 registers, spec
 // 32 x 4 over 8192 in 185 us; at 3 the kernel spills. To measure another value:
 // -DNVFP4_FEW_ROWS_MIN_CTAS=N in CMAKE_CUDA_FLAGS.
 #ifndef NVFP4_FEW_ROWS_MIN_CTAS
@@ -184,7 +185,31 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   return cudaGetLastError();
 }
 
+template <int kHead>
+int ResidentCtas() {
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &ctas, FewRowsKernel<kHead, true, Layout::kHND>, kThreads, 0) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ctas;
+}
+
 }  // namespace
+
+int FewRowsResidentCtasPerSm(int head_size) {
+  return WithHeadSize(
+      head_size,
+      [](auto head) {
+        if constexpr (decltype(head)::value > kFewRowsMaxHead) {
+          return 0;
+        } else {
+          return ResidentCtas<decltype(head)::value>();
+        }
+      },
+      0);
+}
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
   if (p.max_num_seqs == 0) return cudaSuccess;

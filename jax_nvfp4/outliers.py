@@ -249,9 +249,9 @@ def hadamard_block_size(head_size: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _sylvester(n: int) -> np.ndarray:
-    """Orthonormal Sylvester-Hadamard matrix of size n (a power of two), float32, read-only:
-    the Sylvester order and normalisation of benchmarks/quality_bench.py's ``hadamard(n)``
-    (built in float64, divided by sqrt(n), rounded to float32 once)."""
+    """Orthonormal Sylvester-Hadamard matrix of size n (a power of two), float32, read-only
+    (built in float64, divided by sqrt(n), rounded to float32 once; benchmarks/quality_bench.py
+    uses it too)."""
     h = np.ones((1, 1))
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])

@@ -56,10 +56,10 @@ KV_TILE = 64
 _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
 #: takes, its largest head size (ffi/ragged_device.cuh, kFewRows, kFewRowsMaxHead), and its
-#: CTAs per SM (its launch bounds, kFewRowsCtasPerSm in ffi/ragged_few_rows.cu).
+#: CTAs per SM when the GPU cannot be asked (its launch bounds, ffi/ragged_few_rows.cu).
 FEW_ROWS = 16
 FEW_ROWS_MAX_HEAD_SIZE = 128
-_FEW_ROWS_CTAS_PER_SM = 2
+_DEFAULT_FEW_ROWS_CTAS_PER_SM = 2
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
 #: Most stacked members x splits: the kernel's grid puts them on its z axis.
@@ -124,11 +124,16 @@ def _jnp_canonical(*args, layout, v_scale_swizzle):
 kernel_supports = _decode.kernel_supports
 
 
-def _resident_ctas(head_size: int) -> int:
+def _resident_ctas(head_size: int, kernel: str = "ragged") -> int:
+    """CTAs per SM of the ragged kernel (or, ``kernel="few_rows"``, the few-row kernel) for a
+    head size on the current GPU, or the default where it cannot be asked."""
+    ask, default = {"ragged": ("ragged_resident_ctas_per_sm", _DEFAULT_CTAS_PER_SM),
+                    "few_rows": ("few_rows_resident_ctas_per_sm",
+                                 _DEFAULT_FEW_ROWS_CTAS_PER_SM)}[kernel]
     try:
-        return int(_ffi.ragged_resident_ctas_per_sm(head_size)) or _DEFAULT_CTAS_PER_SM
+        return int(getattr(_ffi, ask)(head_size)) or default
     except (AttributeError, RuntimeError):
-        return _DEFAULT_CTAS_PER_SM
+        return default
 
 
 def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
@@ -140,14 +145,16 @@ def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
 
 def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: int,
                 num_q_heads: int, head_size: int, max_tokens: int, sm_count: int,
-                ctas_per_sm: int = _DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+                ctas_per_sm: int = _DEFAULT_CTAS_PER_SM,
+                few_rows_ctas_per_sm: int = _DEFAULT_FEW_ROWS_CTAS_PER_SM) -> tuple[int, int]:
     """Split-KV plan of the ragged kernel: ``(num_splits, tokens_per_split)``.
 
     The work is counted as :func:`tile_slots` query tiles per kv head (the static bound: how
     the query tokens fall into sequences is only known on the device), each over up to
     ``max_tokens`` positions, or, when the tokens are few enough for every sequence to have at
     most ``FEW_ROWS`` query rows per kv head (speculative decoding), as one CTA of the few-row
-    kernel per (sequence, kv head) at that kernel's occupancy;
+    kernel per (sequence, kv head) at that kernel's occupancy (``few_rows_ctas_per_sm``; the
+    ragged kernel's is ``ctas_per_sm``);
     :func:`jax_nvfp4.attention_primitive.plan_splits_for_units` picks the splits. Few tiles over long contexts (speculative decoding, small batches) split;
     prefill chunks fill the GPU with tiles and do not. The partial results of the splits
     (float32 ``[L, num_tokens, num_q_heads, splits, head_size]``) are kept under
@@ -157,7 +164,7 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     if head_size <= FEW_ROWS_MAX_HEAD_SIZE and num_tokens * group <= max_num_seqs * FEW_ROWS:
         # Few tokens per sequence on average (speculative decoding): the work is the few-row
         # kernel's, a CTA per (sequence, kv head) at its own occupancy.
-        units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, _FEW_ROWS_CTAS_PER_SM
+        units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, few_rows_ctas_per_sm
     else:
         units = stacked * num_kv_heads * max(tile_slots(num_tokens, max_num_seqs, group), 1)
     splits, per_split = _decode.plan_splits_for_units(
@@ -194,7 +201,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     max_tokens = max_blocks * geo.block_size
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
-        _decode._sm_count(), _resident_ctas(head_size))
+        _decode._sm_count(), _resident_ctas(head_size), _resident_ctas(head_size, "few_rows"))
     # The sequences that own one query token go to the decode kernel (launched by the same
     # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences.
     decode_splits, decode_per_split = plan_one_token_splits(
