@@ -281,6 +281,11 @@ class _BF16Cache:
     def scales(self):
         return tuple(() for _ in range(self.model.layers))
 
+    def store(self, cache, k, v, slots, scale):
+        """Rows of a token-major cache (``[rows, rows per page or context, H, D]``) at slots."""
+        return tuple(_scatter_rows(c.reshape(-1, *c.shape[2:]), slots, x).reshape(c.shape)
+                     for c, x in zip(cache, (k, v)))
+
 
 class BF16PagedCache(_BF16Cache):
     """Pages of bf16 K and V: ``[pages, page size, kv heads, D]`` for the library's jnp reader,
@@ -303,8 +308,7 @@ class BF16PagedCache(_BF16Cache):
 
     def store(self, cache, k, v, slots, scale):
         if self.k_splits is None:
-            return tuple(_scatter_rows(c.reshape(-1, *c.shape[2:]), slots, x).reshape(c.shape)
-                         for c, x in zip(cache, (k, v)))
+            return super().store(cache, k, v, slots, scale)
         # [H, P, T, D] viewed as [P * T, H, D] would need a transpose: scatter along axis 1.
         return tuple(_scatter_rows(jnp.moveaxis(c.reshape(c.shape[0], -1, c.shape[3]), 1, 0),
                                    slots, x).swapaxes(0, 1).reshape(c.shape)
@@ -334,10 +338,6 @@ class DenseCache(_BF16Cache):
     def _dims(self):
         m, p = self.model, self.plan
         return (p.batch, p.capacity, m.num_kv_heads, m.head_size)
-
-    def store(self, cache, k, v, slots, scale):
-        return tuple(_scatter_rows(c.reshape(-1, *c.shape[2:]), slots, x).reshape(c.shape)
-                     for c, x in zip(cache, (k, v)))
 
     def attend(self, q, cache, tables, lens, scale):
         # dot_product_attention wants one dtype (a float32 model reads its bf16 cache widened).
@@ -574,7 +574,7 @@ def step_bytes(model, dtype, cache_key, plan, lens):
         read = int(np.sum(lens)) * per_token
     else:  # whole pages
         read = int(np.sum(-(-lens // BLOCK_SIZE))) * BLOCK_SIZE * per_token
-    new_kv = 2 * model.layers * plan.batch * model.num_kv_heads * model.head_size * 2
+    new_kv = plan.batch * bytes_per_token(model, "bf16_paged")   # the store reads bf16 K, V
     return {"weights": int(weights), "attention": int(read),
             "store": int(new_kv + plan.batch * per_token)}
 

@@ -204,12 +204,19 @@ def _sm_count() -> int:
         return 132
 
 
-def _resident_ctas(head_size: int) -> int:
-    """CTAs of the kernel per SM on this GPU (asked of the CUDA runtime: registers decide)."""
+def resident_ctas(ask: str, head_size: int, default: int) -> int:
+    """CTAs of a kernel per SM on this GPU for a head size, asked of the CUDA runtime through
+    the extension's function ``ask`` (registers and shared memory decide); ``default`` where
+    it cannot be asked (no CUDA build, no GPU) or answers 0."""
     try:
-        return int(_ffi.decode_resident_ctas_per_sm(head_size)) or _DEFAULT_CTAS_PER_SM
+        return int(getattr(_ffi, ask)(head_size)) or default
     except (AttributeError, RuntimeError):
-        return _DEFAULT_CTAS_PER_SM
+        return default
+
+
+def _resident_ctas(head_size: int) -> int:
+    """The decode kernel's CTAs per SM on this GPU."""
+    return resident_ctas("decode_resident_ctas_per_sm", head_size, _DEFAULT_CTAS_PER_SM)
 
 
 def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,

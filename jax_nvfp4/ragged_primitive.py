@@ -124,16 +124,15 @@ def _jnp_canonical(*args, layout, v_scale_swizzle):
 kernel_supports = _decode.kernel_supports
 
 
-def _resident_ctas(head_size: int, kernel: str = "ragged") -> int:
-    """CTAs per SM of the ragged kernel (or, ``kernel="few_rows"``, the few-row kernel) for a
-    head size on the current GPU, or the default where it cannot be asked."""
-    ask, default = {"ragged": ("ragged_resident_ctas_per_sm", _DEFAULT_CTAS_PER_SM),
-                    "few_rows": ("few_rows_resident_ctas_per_sm",
-                                 _DEFAULT_FEW_ROWS_CTAS_PER_SM)}[kernel]
-    try:
-        return int(getattr(_ffi, ask)(head_size)) or default
-    except (AttributeError, RuntimeError):
-        return default
+def _resident_ctas(head_size: int) -> int:
+    """The ragged kernel's CTAs per SM on this GPU."""
+    return _decode.resident_ctas("ragged_resident_ctas_per_sm", head_size, _DEFAULT_CTAS_PER_SM)
+
+
+def _few_rows_resident_ctas(head_size: int) -> int:
+    """The few-row kernel's CTAs per SM on this GPU."""
+    return _decode.resident_ctas("few_rows_resident_ctas_per_sm", head_size,
+                                 _DEFAULT_FEW_ROWS_CTAS_PER_SM)
 
 
 def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
@@ -201,7 +200,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     max_tokens = max_blocks * geo.block_size
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
-        _decode._sm_count(), _resident_ctas(head_size), _resident_ctas(head_size, "few_rows"))
+        _decode._sm_count(), _resident_ctas(head_size), _few_rows_resident_ctas(head_size))
     # The sequences that own one query token go to the decode kernel (launched by the same
     # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences.
     decode_splits, decode_per_split = plan_one_token_splits(

@@ -179,10 +179,8 @@ def layer_block_tables(block_tables, layer, num_blocks: int):
     Entries past a sequence's length are never read, whatever they hold.
     """
     num_blocks = _layout.check_int(num_blocks, "num_blocks")
-    block_tables = jnp.asarray(checks.host_integers(block_tables, "block_tables", jnp.int32))
-    if not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise TypeError(f"block_tables must be an integer array, got "
-                        f"{checks.dtype_name(block_tables.dtype)}")
+    (block_tables,) = _attention._integer_arrays(
+        ("block_tables", block_tables, lambda shape: True, "any"))
     dtype = block_tables.dtype
     return block_tables + jnp.asarray(layer, dtype) * jnp.asarray(num_blocks, dtype)
 
