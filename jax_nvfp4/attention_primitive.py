@@ -421,14 +421,7 @@ def _factors(layout: str, shapes):
     operands = (stack + ("batch", "q_heads", "head_size"), cache_axes,
                 lead(tables, "t_one") + ("batch", "pages"), lead(lens, "l_one") + ("batch",),
                 lead(k_scale, "k_one"), lead(v_scale, "v_one"), lead(sm_scale, "s_one"))
-    return operands, (operands[0], operands[0][:-1]), replicated_factors(operands, _SPLITTABLE)
-
-
-def replicated_factors(operands, splittable):
-    """The factors of ``operands`` (in order of first use: Shardy wants them sorted) that must
-    be replicated: all but ``splittable`` (stacked axes numbered: ``stack0``, ``stack1``...)."""
-    used = dict.fromkeys(f for op in operands for f in op)
-    return tuple(f for f in used if f.rstrip("0123456789") not in splittable)
+    return operands, (operands[0], operands[0][:-1]), _partitioning.replicated_factors(operands, _SPLITTABLE)
 
 
 def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
@@ -451,12 +444,6 @@ def stacked_shardings(shapes, cache_sharding):
     return {f"stack{i}": _partitioning.mesh_axes(e) for i, e in enumerate(entries)}
 
 
-def specs_of(kept, names):
-    """The PartitionSpec of an operand or result with these factor names: the kept factors'
-    mesh axes, the others replicated."""
-    return PartitionSpec(*(_partitioning.spec_entry(kept.get(f, ())) for f in names))
-
-
 def _plan(layout, shapes, q_sharding, cache_sharding):
     """Specs of the operands and results: the stacked axes as the cache has them, the batch
     axis as q has it, everything else replicated."""
@@ -467,7 +454,8 @@ def _plan(layout, shapes, q_sharding, cache_sharding):
     if set(batch) & {a for axes in kept.values() for a in axes}:
         batch = ()
     kept["batch"] = batch
-    return [specs_of(kept, op) for op in operands], [specs_of(kept, r) for r in results]
+    return ([_partitioning.specs_of(kept, op) for op in operands],
+            [_partitioning.specs_of(kept, r) for r in results])
 
 
 def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
@@ -511,6 +499,6 @@ def partitioned(body):
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
            "bind_members_stacked", "empty_batch", "lowerings", "members_first", "num_stacked",
-           "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "replicated_factors",
-           "rule_text", "specs_of", "split_kv_results", "stacked_factors", "stacked_jnp",
+           "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "resident_ctas",
+           "rule_text", "split_kv_results", "stacked_factors", "stacked_jnp",
            "stacked_shardings"]

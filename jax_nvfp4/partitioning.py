@@ -55,9 +55,24 @@ from . import layout as _layout
 SPLITTABLE = ("layer", "blocks")
 
 
-def splittable(factor: str) -> bool:
-    """Whether a factor of the store (:data:`SPLITTABLE`, stacked axes numbered) splits."""
-    return factor.rstrip("0123456789") in SPLITTABLE
+def splittable(factor: str, names=SPLITTABLE) -> bool:
+    """Whether a factor splits: its name, less the number of a stacked axis (``layer0``,
+    ``stack1``), is one of ``names`` (the store's :data:`SPLITTABLE` by default)."""
+    return factor.rstrip("0123456789") in names
+
+
+def replicated_factors(operands, names=SPLITTABLE):
+    """The factors of ``operands`` (tuples of factor names) that must be replicated, all but
+    the :func:`splittable` ones, in order of first use (Shardy wants special factors sorted by
+    factor index)."""
+    used = dict.fromkeys(f for op in operands for f in op)
+    return tuple(f for f in used if not splittable(f, names))
+
+
+def specs_of(kept, names):
+    """The PartitionSpec of an operand or result with these factor names: the kept factors'
+    mesh axes (``kept``: factor -> mesh axes), the others replicated."""
+    return PartitionSpec(*(spec_entry(kept.get(f, ())) for f in names))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,10 +107,7 @@ def _factors(layout: str, shapes: Sequence[Sequence[int]]):
         return layers if stacked and shape == stacked else (name,)
 
     operands = (kv, kv, cache, slot, scale(k_scale, "k_one"), scale(v_scale, "v_one"))
-    # In order of first use: Shardy wants special factors sorted by factor index.
-    used = dict.fromkeys(f for op in operands for f in op)
-    replicated = tuple(f for f in used if not splittable(f))
-    return operands, replicated
+    return operands, replicated_factors(operands)
 
 
 def _sharding_rule(layout, scale_search, v_scale_swizzle, mesh, operand_types, result_types):
@@ -152,7 +164,7 @@ def _plan(layout, shapes, cache_sharding):
     operands, _ = _factors(layout, shapes)
     entries = spec_entries(cache_sharding, len(operands[2]))
     kept = {f: mesh_axes(e) for f, e in zip(operands[2], entries) if splittable(f)}
-    specs = [PartitionSpec(*(spec_entry(kept.get(f, ())) for f in op)) for op in operands]
+    specs = [specs_of(kept, op) for op in operands]
     return specs, kept
 
 

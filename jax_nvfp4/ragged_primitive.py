@@ -285,7 +285,7 @@ def _factors(layout: str, shapes):
                 lead(cu, "u_one") + ("seqs_1",), lead(num_seqs, "n_one"),
                 lead(k_scale, "k_one"), lead(v_scale, "v_one"), lead(sm_scale, "s_one"))
     return (operands, (operands[0], operands[0][:-1]),
-            _decode.replicated_factors(operands, _SPLITTABLE))
+            _partitioning.replicated_factors(operands, _SPLITTABLE))
 
 
 def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
@@ -299,8 +299,8 @@ def _plan(layout, shapes, cache_sharding):
     the cache), everything else replicated."""
     operands, results, _ = _factors(layout, shapes)
     kept = _decode.stacked_shardings(shapes, cache_sharding)
-    return ([_decode.specs_of(kept, op) for op in operands],
-            [_decode.specs_of(kept, r) for r in results])
+    return ([_partitioning.specs_of(kept, op) for op in operands],
+            [_partitioning.specs_of(kept, r) for r in results])
 
 
 def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
