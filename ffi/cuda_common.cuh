@@ -63,4 +63,18 @@ cudaError_t ConfigureSharedMemory(int bytes) {
   return error;
 }
 
+// CTAs of `kernel` (launched with `threads` threads and `smem_bytes` of dynamic shared memory,
+// configured first where it needs more than the default) that fit on one SM of the current
+// GPU, as the split plans ask (0, the error cleared, if CUDA fails).
+template <typename Kernel>
+int ResidentCtasPerSm(Kernel kernel, int threads, int smem_bytes) {
+  int ctas = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes) !=
+      cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ctas;
+}
+
 }  // namespace nvfp4

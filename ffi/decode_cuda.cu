@@ -244,13 +244,7 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
 
 template <int kHead>
 int ResidentCtas() {
-  int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ctas, DecodeKernel<kHead, true, Layout::kHND>, kThreads, 0) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return ctas;
+  return ResidentCtasPerSm(DecodeKernel<kHead, true, Layout::kHND>, kThreads, 0);
 }
 
 }  // namespace

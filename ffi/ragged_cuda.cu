@@ -876,16 +876,12 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
 
 template <int kHead>
 int ResidentCtas() {
-  using R = RaggedShape<kHead>;
-  const auto kernel = RaggedKernel<kHead, true, Layout::kHND>;
-  int ctas = 0;
-  if (Configure<kHead, true, Layout::kHND>() != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, R::kSmemBytes) !=
-          cudaSuccess) {
+  if (Configure<kHead, true, Layout::kHND>() != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
-  return ctas;
+  return ResidentCtasPerSm(RaggedKernel<kHead, true, Layout::kHND>, kThreads,
+                           RaggedShape<kHead>::kSmemBytes);
 }
 
 }  // namespace

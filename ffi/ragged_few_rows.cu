@@ -185,17 +185,6 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   return cudaGetLastError();
 }
 
-template <int kHead>
-int ResidentCtas() {
-  int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &ctas, FewRowsKernel<kHead, true, Layout::kHND>, kThreads, 0) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return ctas;
-}
-
 }  // namespace
 
 int FewRowsResidentCtasPerSm(int head_size) {
@@ -205,7 +194,8 @@ int FewRowsResidentCtasPerSm(int head_size) {
         if constexpr (decltype(head)::value > kFewRowsMaxHead) {
           return 0;
         } else {
-          return ResidentCtas<decltype(head)::value>();
+          return ResidentCtasPerSm(FewRowsKernel<decltype(head)::value, true, Layout::kHND>,
+                                   kThreads, 0);
         }
       },
       0);
