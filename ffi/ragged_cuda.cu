@@ -221,14 +221,6 @@ __device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t
   return false;
 }
 
-// [start_0, start_ns): the tokens some sequence owns (every lane gets them).
-__device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int32_t num_tokens,
-                                             int lane, int32_t* first, int32_t* last) {
-  int32_t unused;
-  sequence_tokens(cu, ns - 1, num_tokens, lane, &unused, last);  // start_ns
-  *first = min(max(__ldg(cu), 0), num_tokens);
-}
-
 // ------------------------------------------------------------------------------------------
 // One thread's (position, side, part) of a step: copied from the pages into a ring stage, then
 // converted to fp16 into the K/V buffer.
@@ -372,25 +364,9 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
       min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
   const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
 
-  if (slot >= grid.tile_slots) {
-    // Zeros for the tokens of this slot's 64 that no sequence owns: those before `first` and
-    // those from `last` on (only these are visited: a loop over all 64 tokens' rows cost
-    // ~22 us per call on an H200 where every token is owned, speculative decoding).
-    int32_t first, last;
-    owned_tokens(cu, ns, num_tokens, lane, &first, &last);
-    const int32_t t0 = (slot - grid.tile_slots) * 64, t_end = min(t0 + 64, num_tokens);
-    for (int part = 0; part < 2; ++part) {
-      const int32_t lo = part == 0 ? t0 : max(max(last, first), t0);
-      const int32_t hi = part == 0 ? min(first, t_end) : t_end;
-      const int32_t count = max(hi - lo, 0) * group;
-      for (int32_t i = threadIdx.x; i < count * kHead; i += kThreads) {
-        const int32_t r = i / kHead, d = i % kHead;
-        const int32_t t = lo + r / group;
-        const int64_t row =
-            member_rows + int64_t(t) * p.num_q_heads + kv_head * group + r % group;
-        write_empty(p, row, split, d, kHead);
-      }
-    }
+  if (slot >= grid.tile_slots) {  // a fill slot: zeros for the tokens nobody owns
+    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head, member_rows, split,
+                                         slot - grid.tile_slots, lane);
     return;
   }
 
@@ -422,13 +398,18 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
   };
 
   // The few-row kernel (ragged_few_rows.cu) takes speculative decoding's sequences.
-  if (takes_few_rows(work.q_len, group, kHead)) return;
+  if (takes_few_rows(p, work.q_len, group, kHead)) return;
   if (p.decode_splits > 0 && work.q_len == 1) {
     // The decode kernel, launched after this one, attends for this one-token sequence and
     // writes its rows; with split-KV the merge below reads them first: empty partial results.
     if (p.num_splits > 1)
       for (int r = threadIdx.x; r < rows_here; r += kThreads)
         write_empty(p, q_row_of(r), split, 0, kHead);
+    return;
+  }
+  if (exceeds_max_q_len(p, work.q_len)) {
+    for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads)
+      write_nan(p, q_row_of(i / kHead), split, i % kHead, kHead);
     return;
   }
   if (begin >= last_end) {  // nothing to attend to in this split
@@ -800,7 +781,9 @@ int64_t TileSlots(const RaggedProblem& p) {
   return (int64_t(p.num_tokens) * group + kRows - 1) / kRows +
          std::min<int64_t>(p.max_num_seqs, p.num_tokens);
 }
-int64_t FillSlots(const RaggedProblem& p) { return (int64_t(p.num_tokens) + 63) / 64; }
+int64_t FillSlots(const RaggedProblem& p) {
+  return (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens;
+}
 
 // More than 48 KB of dynamic shared memory, and all of L1 as shared memory (two CTAs of ~100 KB
 // per SM).
@@ -821,8 +804,11 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
                         FastDivmod(uint32_t(p.page.block_size))};
   const dim3 blocks(uint32_t((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
-  cudaError_t error = cudaGetLastError();
+  cudaError_t error = cudaSuccess;
+  if (!p.few_rows_only) {  // (alone, the few-row kernel takes every sequence and the fill)
+    kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
+    error = cudaGetLastError();
+  }
   if (error == cudaSuccess) error = LaunchFewRows(stream, p);
   if (error == cudaSuccess && p.num_splits > 1) {
     RaggedMergeKernel<kHead>
@@ -848,12 +834,14 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
                       ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_out,
                       ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout,
                       bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split,
-                      int32_t decode_splits, int32_t decode_tokens_per_split) {
+                      int32_t decode_splits, int32_t decode_tokens_per_split,
+                      int32_t max_q_len, bool few_rows_only) {
   RaggedProblem p;
   ffi::Error error = MakeRaggedProblem(
       q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale, out,
       lse, partial_out, partial_lse, decode_partial_out, decode_partial_lse, layout,
-      v_scale_swizzle, num_splits, tokens_per_split, decode_splits, decode_tokens_per_split, &p);
+      v_scale_swizzle, num_splits, tokens_per_split, decode_splits, decode_tokens_per_split,
+      max_q_len, few_rows_only, &p);
   if (error.failure()) return error;
   if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)

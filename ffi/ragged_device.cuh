@@ -15,16 +15,20 @@
 namespace nvfp4 {
 namespace {
 
-// The few-row kernel takes the sequences of 2 or more query tokens whose query rows per kv
-// head (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to 128;
-// the ragged kernel skips them (and the decode kernel takes those of one token). 16, not 32:
-// with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192 where the
-// ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
-constexpr int32_t kFewRows = 16;
-constexpr int64_t kFewRowsMaxHead = 128;  // its largest head size
-__host__ __device__ __forceinline__ bool takes_few_rows(int32_t q_len, int32_t group,
-                                                        int64_t head_size) {
-  return head_size <= kFewRowsMaxHead && q_len >= 2 && q_len <= kFewRows / group;
+// The few-row kernel takes the sequences of 2 or more query tokens (1 or more when it runs
+// alone, p.few_rows_only) whose query rows per kv head (tokens x the GQA group) number at most
+// kFewRows, head sizes up to kFewRowsMaxHead (ragged_ffi.h); the ragged kernel skips them (and
+// the decode kernel takes those of one token).
+__host__ __device__ __forceinline__ bool takes_few_rows(const RaggedProblem& p, int32_t q_len,
+                                                        int32_t group, int64_t head_size) {
+  return head_size <= kFewRowsMaxHead && q_len >= (p.few_rows_only ? 1 : 2) &&
+         q_len <= kFewRows / group;
+}
+
+// A sequence with more query tokens than the caller's bound (p.max_q_len > 0) breaks the
+// call's contract: its rows are NaN (as on the jnp path), never another sequence's work.
+__device__ __forceinline__ bool exceeds_max_q_len(const RaggedProblem& p, int32_t q_len) {
+  return p.max_q_len > 0 && q_len > p.max_q_len;
 }
 
 // What a CTA of either kernel knows of its launch (the few-row kernel has no tile slots).
@@ -63,6 +67,54 @@ __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row,
     if (d == 0) p.lse[row] = -INFINITY;
   } else if (d == 0) {
     p.partial_lse[row * p.num_splits + split] = -INFINITY;
+  }
+}
+
+// Writes NaN for a query row of a sequence that breaks max_q_len (its result, or with split-KV
+// a NaN partial lse, which the merge turns into a NaN row).
+__device__ __forceinline__ void write_nan(const RaggedProblem& p, int64_t row, int split, int d,
+                                          int head_size) {
+  if (p.num_splits == 1) {
+    store_out(p.out, p.q_type, row * head_size + d, NAN);
+    if (d == 0) p.lse[row] = NAN;
+  } else if (d == 0) {
+    p.partial_lse[row * p.num_splits + split] = NAN;
+  }
+}
+
+// [start_0, start_ns): the tokens some sequence owns (every lane gets them).
+__device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                             int lane, int32_t* first, int32_t* last) {
+  int32_t unused;
+  sequence_tokens(cu, ns - 1, num_tokens, lane, &unused, last);  // start_ns
+  *first = min(max(__ldg(cu), 0), num_tokens);
+}
+
+// Tokens a fill slot of either kernel's grid covers.
+constexpr int32_t kFillTokens = 64;
+
+// Fill slot `fill` of a CTA of kThreads threads: empty results (write_empty) for the rows of
+// kv head `kv_head` of the tokens [64 fill, 64 fill + 64) that no sequence owns, those before
+// start_0 and those from start_ns on. Only these are visited: a loop over all 64 tokens' rows
+// cost ~22 us per call on an H200 where every token is owned (speculative decoding).
+template <int kHead, int kThreads>
+__device__ __forceinline__ void zero_unowned_tokens(const RaggedProblem& p, const int32_t* cu,
+                                                    int32_t ns, int32_t group, int32_t kv_head,
+                                                    int64_t member_rows, int split, int32_t fill,
+                                                    int lane) {
+  int32_t first, last;
+  owned_tokens(cu, ns, p.num_tokens, lane, &first, &last);
+  const int32_t t0 = fill * kFillTokens, t_end = min(t0 + kFillTokens, p.num_tokens);
+  for (int part = 0; part < 2; ++part) {
+    const int32_t lo = part == 0 ? t0 : max(max(last, first), t0);
+    const int32_t hi = part == 0 ? min(first, t_end) : t_end;
+    const int32_t count = max(hi - lo, 0) * group;
+    for (int32_t i = threadIdx.x; i < count * kHead; i += kThreads) {
+      const int32_t r = i / kHead, d = i % kHead;
+      const int32_t t = lo + r / group;
+      const int64_t row = member_rows + int64_t(t) * p.num_q_heads + kv_head * group + r % group;
+      write_empty(p, row, split, d, kHead);
+    }
   }
 }
 

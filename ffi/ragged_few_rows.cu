@@ -159,13 +159,32 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
   const int32_t max_num_seqs = p.max_num_seqs;
   const int32_t ns =
       min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
-  if (b >= ns) return;
   const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
+  const int32_t group = int32_t(grid.group.divisor);
+  if (b >= max_num_seqs) {  // a fill slot (p.few_rows_only): zeros for the tokens nobody owns
+    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head,
+                                         int64_t(member) * p.num_tokens * p.num_q_heads, split,
+                                         b - max_num_seqs, lane);
+    return;
+  }
+  if (b >= ns) return;
   int32_t start, next;
   sequence_tokens(cu, b, p.num_tokens, lane, &start, &next);
   const int32_t q_len = next - start;
-  const int32_t group = int32_t(grid.group.divisor);
-  if (!takes_few_rows(q_len, group, kHead)) return;  // (CTA-uniform) another kernel's sequence
+  const bool taken = takes_few_rows(p, q_len, group, kHead);
+  // A sequence over max_q_len gets NaN rows: among those the kernel takes, and alone (the
+  // kernel then owes every sequence its rows, and the handler checked that max_q_len's fit)
+  // any it cannot take.
+  if (taken ? exceeds_max_q_len(p, q_len) : p.few_rows_only && q_len > 0) {
+    for (int32_t i = threadIdx.x; i < q_len * group * kHead; i += kThreads) {
+      const int32_t r = i / kHead;
+      const int64_t row = (int64_t(member) * p.num_tokens + start + r / group) * p.num_q_heads +
+                          kv_head * group + r % group;
+      write_nan(p, row, split, i % kHead, kHead);
+    }
+    return;
+  }
+  if (!taken) return;  // (CTA-uniform) another kernel's sequence
   if (q_len * group <= 8)  // one n-tile, or two
     return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
                                                         start, q_len, merge_smem);
@@ -179,7 +198,10 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
-  const dim3 blocks(uint32_t(int64_t(p.max_num_seqs) * p.page.num_kv_heads), 1,
+  // A CTA per (sequence, kv head); alone, also the fill slots of the ragged kernel's grid.
+  const int64_t fill = p.few_rows_only ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens
+                                       : 0;
+  const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, 0, stream>>>(p, grid);
   return cudaGetLastError();
@@ -202,7 +224,7 @@ int FewRowsResidentCtasPerSm(int head_size) {
 }
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
-  if (p.max_num_seqs == 0) return cudaSuccess;
+  if (p.max_num_seqs == 0 && !p.few_rows_only) return cudaSuccess;
   return WithHeadSize(
       p.page.head_size,
       [&](auto head) {

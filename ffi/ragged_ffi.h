@@ -34,6 +34,14 @@ inline constexpr const char kRaggedTarget[] = "jax_nvfp4_ragged_paged_attention"
 // (jax_nvfp4/ragged_primitive.py, KV_TILE).
 inline constexpr int64_t kRaggedSplitStep = 64;
 
+// The few-row kernel (ragged_few_rows.cu) takes the sequences whose query rows per kv head
+// (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to
+// kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS and FEW_ROWS_MAX_HEAD_SIZE). 16,
+// not 32: with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192
+// where the ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
+inline constexpr int32_t kFewRows = 16;
+inline constexpr int64_t kFewRowsMaxHead = 128;
+
 struct RaggedProblem {
   const void* q;
   const uint8_t* kv_cache;
@@ -71,6 +79,11 @@ struct RaggedProblem {
   int32_t decode_tokens_per_split;
   float* decode_partial_out;
   float* decode_partial_lse;
+  // The caller's bound on any sequence's query tokens (0: none): a sequence with more gets NaN
+  // rows. few_rows_only: the bound lets the few-row kernel take every sequence (one-token ones
+  // too) and zero the unowned tokens, launched alone (no ragged or decode kernel).
+  int32_t max_q_len;
+  int32_t few_rows_only;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {
@@ -88,7 +101,7 @@ inline ffi::Error MakeRaggedProblem(
     ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_out,
     ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout, bool v_scale_swizzle,
     int32_t num_splits, int32_t tokens_per_split, int32_t decode_splits,
-    int32_t decode_tokens_per_split, RaggedProblem* p) {
+    int32_t decode_tokens_per_split, int32_t max_q_len, bool few_rows_only, RaggedProblem* p) {
   const auto q_dims = q.dimensions();
   const auto cache_dims = kv_cache.dimensions();
   const auto table_dims = block_tables.dimensions();
@@ -130,6 +143,13 @@ inline ffi::Error MakeRaggedProblem(
     return RaggedArgumentError(
         "decode_splits x decode_tokens_per_split (a multiple of 128) must cover the block "
         "table, every split starting inside it");
+  if (max_q_len < 0) return RaggedArgumentError("max_q_len must be >= 0 (0: no bound)");
+  if (few_rows_only &&
+      (max_q_len < 1 || int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > kFewRows ||
+       head_size > kFewRowsMaxHead || decode_splits != 0))
+    return RaggedArgumentError(
+        "few_rows_only needs 1 <= max_q_len x the GQA group <= 16, a head size <= 128 and no "
+        "decode launch (decode_splits == 0)");
   const int64_t decode_partial = decode_splits > 1 ? decode_splits : 0;
   const int64_t decode_rows = stacked * max_num_seqs * num_q_heads;
   if (decode_partial_out->element_count() != size_t(decode_rows * decode_partial * head_size) ||
@@ -174,6 +194,8 @@ inline ffi::Error MakeRaggedProblem(
   p->decode_tokens_per_split = decode_tokens_per_split;
   p->decode_partial_out = decode_partial_out->typed_data();
   p->decode_partial_lse = decode_partial_lse->typed_data();
+  p->max_q_len = max_q_len;
+  p->few_rows_only = few_rows_only;
   return ffi::Error::Success();
 }
 
@@ -217,7 +239,8 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
 #if defined(__CUDACC__)
 // The few-row kernel for the sequences it takes (ragged_few_rows.cu, takes_few_rows), writing
 // their rows of out and lse or, with several splits, of the split-KV workspace; the ragged
-// kernel's handler launches it after the ragged kernel and before the merge.
+// kernel's handler launches it after the ragged kernel and before the merge, or alone
+// (p.few_rows_only), when it also zeroes the tokens no sequence owns.
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p);
 #endif
 
@@ -244,7 +267,9 @@ auto BindRagged(Binding binding) {
       .template Attr<int32_t>("num_splits")
       .template Attr<int32_t>("tokens_per_split")
       .template Attr<int32_t>("decode_splits")
-      .template Attr<int32_t>("decode_tokens_per_split");
+      .template Attr<int32_t>("decode_tokens_per_split")
+      .template Attr<int32_t>("max_q_len")
+      .template Attr<bool>("few_rows_only");
 }
 
 }  // namespace nvfp4

@@ -288,13 +288,14 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
 
 
 def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, num_blocks,
-                       block_size, scales, where):
+                       block_size, scales, where, max_q_len=None):
     """The run-time checks of ``checked=True`` for the ragged reader (``checkify``): ``0 <=
     num_seqs <= max_num_seqs``; for the sequences ``b < num_seqs``, ``cu_q_lens`` non-decreasing
     from ``cu_q_lens[0] >= 0`` to ``cu_q_lens[num_seqs] <= num_tokens``, ``q_len_b <=
-    seq_lens[b]`` (every query token has its position in the cache) and what
-    :func:`check_reads` checks of a decode batch; the scales. Rows of ``block_tables``,
-    ``seq_lens`` and ``cu_q_lens`` past ``num_seqs`` are padding: not checked."""
+    seq_lens[b]`` (every query token has its position in the cache), ``q_len_b <= max_q_len``
+    when it is given, and what :func:`check_reads` checks of a decode batch; the scales. Rows
+    of ``block_tables``, ``seq_lens`` and ``cu_q_lens`` past ``num_seqs`` are padding: not
+    checked."""
     from jax.experimental import checkify
 
     max_num_seqs = block_tables.shape[0]
@@ -316,7 +317,12 @@ def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, 
             (jnp.sum(active & (q_len > lens), dtype=jnp.int32), active & (q_len > lens),
              "gives sequence {b} more query tokens than seq_lens[{b}]: q_len = {value} (seq_lens "
              "counts the query tokens, which must be stored with reshape_and_cache first; "
-             "unchecked, the first query tokens have no position and attend to nothing)")):
+             "unchecked, the first query tokens have no position and attend to nothing)"),
+            *(() if max_q_len is None else (
+                (jnp.sum(active & (q_len > max_q_len), dtype=jnp.int32),
+                 active & (q_len > max_q_len),
+                 f"gives sequence {{b}} more query tokens than max_q_len = {max_q_len}: q_len = "
+                 "{value} (unchecked, that sequence's rows are NaN)"),))):
         first = jnp.argmax(bad)
         checkify.check(n == 0, f"{where}: cu_q_lens {what}; {{n}} such sequence(s)", n=n,
                        b=first, value=q_len[first])
@@ -332,7 +338,7 @@ def check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens, 
 
 def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
                            v_scale, *, layout="HND", v_scale_swizzle=True, sm_scale=None,
-                           return_lse=False, impl="auto", checked=False):
+                           return_lse=False, impl="auto", checked=False, max_q_len=None):
     """Causal attention of several query tokens per sequence over an NVFP4 paged KV cache.
 
     The reader for chunked prefill, prefix reuse, speculative decoding and mixed batches, in the
@@ -401,7 +407,16 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         ``[num_tokens, num_q_heads]``.
       checked: also verify with ``jax.experimental.checkify`` what
         :func:`check_ragged_reads` lists (page ids and lengths of the sequences in use,
-        ``num_seqs``, ``cu_q_lens``, query counts against ``seq_lens``, the scales).
+        ``num_seqs``, ``cu_q_lens``, query counts against ``seq_lens`` and ``max_q_len``, the
+        scales).
+      max_q_len: optional static bound on any sequence's query tokens (a Python int >= 1;
+        vLLM's ``max_query_len``, FlashAttention's ``max_seqlen_q``), which lets the call skip
+        kernels that cannot have work: on a GPU, when ``max_q_len`` x the GQA group is at most
+        16 and the head size at most 128 (speculative decoding's verify step), the few-row
+        kernel alone serves every sequence, one-token ones included (their results then equal
+        the decode reader's to float32 rounding, not bit for bit), and the ragged and decode
+        kernels are not launched. A sequence with more query tokens gets NaN rows (out and
+        lse) on every path; ``checked=True`` reports it. ``None`` (the default): no bound.
 
     Returns:
       ``[num_tokens, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)``.
@@ -410,7 +425,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
       TypeError, ValueError: at trace time, naming the offending argument.
     """
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse,
-                         impl=impl, checked=checked)
+                         impl=impl, checked=checked, max_q_len=max_q_len)
+    max_q_len = None if max_q_len is None else int(max_q_len)
     num_tokens, num_q_heads, head_size = _check_q(
         q, "[num_tokens, num_q_heads, head_size] (the query tokens of all sequences, packed)")
     kv_cache, geo = _check_nvfp4_cache(kv_cache, num_q_heads, head_size, layout, v_scale_swizzle)
@@ -430,7 +446,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         block_tables = checks.require_checkify(block_tables, "ragged_paged_attention")
         check_ragged_reads(block_tables, seq_lens, cu_q_lens, num_seqs, num_tokens,
                            geo.num_blocks, geo.block_size,
-                           (("k_scale", k_scale), ("v_scale", v_scale)), "ragged_paged_attention")
+                           (("k_scale", k_scale), ("v_scale", v_scale)), "ragged_paged_attention",
+                           max_q_len)
     raw_scales = k_scale, v_scale
     k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
 
@@ -438,11 +455,11 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         result = _reference.ragged_paged_attention(
             q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
             layout=layout, v_scale_swizzle=bool(v_scale_swizzle), sm_scale=sm_scale,
-            return_lse=True)
+            return_lse=True, max_q_len=max_q_len)
     else:
         result = _ragged.bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
                               v_scale, sm_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
-                              impl=impl)
+                              impl=impl, max_q_len=max_q_len)
     result = _nan_if_invalid(result, *raw_scales)
     return result if return_lse else result[0]
 

@@ -116,15 +116,16 @@ def stacked_jnp(one, args):
     return jax.vmap(lambda *a: stacked_jnp(one, a), in_axes=in_axes)(*args)
 
 
-def on_one_stacked_axis(kernel_call):
+def on_one_stacked_axis(kernel_call, num_static=2):
     """``kernel_call`` (an attention kernel's FFI call on the canonical form with one stacked
-    axis, ``(*operands, layout, v_scale_swizzle) -> (out, lse)``) for any number of stacked
-    axes: they are flattened into one (q and the cache row-major: a reshape, no copy; an
-    operand shared along some stacked axes but not all is broadcast, it is small) and the
-    results unflattened."""
+    axis, ``(*operands, *static) -> (out, lse)``, the last ``num_static`` arguments static:
+    ``layout, v_scale_swizzle`` and the primitive's own) for any number of stacked axes: they
+    are flattened into one (q and the cache row-major: a reshape, no copy; an operand shared
+    along some stacked axes but not all is broadcast, it is small) and the results
+    unflattened."""
 
     def call(*args):
-        operands, params = args[:-2], args[-2:]
+        operands, params = args[:-num_static], args[-num_static:]
         n = operands[0].ndim - 3
         if n == 1:
             return kernel_call(*args)
@@ -151,27 +152,28 @@ def _jnp_canonical(*args, layout, v_scale_swizzle):
     return stacked_jnp(one, args)
 
 
-def lowerings(op_name, canonical_jnp, kernel_call, partition):
+def lowerings(op_name, canonical_jnp, kernel_call, partition,
+              static=("layout", "v_scale_swizzle")):
     """The two lowering rules of an attention primitive whose operands start with q (head size
-    last) and whose parameters are ``layout, v_scale_swizzle, impl``: the jnp path
-    (``canonical_jnp(*operands, layout=, v_scale_swizzle=)``), and on CUDA the kernel
-    (``partition(kernel_call)(*operands, layout, v_scale_swizzle)``, ``kernel_call`` on one
-    stacked axis: :func:`on_one_stacked_axis`) for the head sizes it covers,
-    the jnp path for the others. ``impl="kernel"`` makes a missing kernel an error naming
-    ``op_name``. Returns ``(jnp_lowering, cuda_lowering)``."""
+    last) and whose parameters are ``impl`` and the ``static`` ones (``layout,
+    v_scale_swizzle`` and the primitive's own): the jnp path (``canonical_jnp(*operands,
+    **static)``), and on CUDA the kernel (``partition(kernel_call)(*operands, *static)``,
+    ``kernel_call`` on one stacked axis: :func:`on_one_stacked_axis`) for the head sizes it
+    covers, the jnp path for the others. ``impl="kernel"`` makes a missing kernel an error
+    naming ``op_name``. Returns ``(jnp_lowering, cuda_lowering)``."""
 
-    flat_call = on_one_stacked_axis(kernel_call)
+    flat_call = on_one_stacked_axis(kernel_call, len(static))
 
-    def jnp_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+    def jnp_lowering(ctx, *args, impl, **params):
         if impl == "kernel":
             raise ValueError(
                 f"{op_name}(impl='kernel') needs the CUDA kernel on a GPU; this computation "
                 "runs on a platform without it. Use impl='auto' (the kernel where it exists, the "
                 "jnp path elsewhere) or impl='jnp'.")
-        fun = functools.partial(canonical_jnp, layout=layout, v_scale_swizzle=v_scale_swizzle)
+        fun = functools.partial(canonical_jnp, **params)
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
-    def cuda_lowering(ctx, *args, layout, v_scale_swizzle, impl):
+    def cuda_lowering(ctx, *args, impl, **params):
         head_size = ctx.avals_in[0].shape[-1]
         if not kernel_supports(head_size):
             if impl == "kernel":
@@ -180,9 +182,9 @@ def lowerings(op_name, canonical_jnp, kernel_call, partition):
                     f"{KERNEL_HEAD_SIZES}" + ("" if _ffi.built_with_cuda() else
                                               " and jax_nvfp4 was built without it")
                     + f", got head_size {head_size}; use impl='auto' or impl='jnp'")
-            return jnp_lowering(ctx, *args, layout=layout, v_scale_swizzle=v_scale_swizzle,
-                                impl="auto")
-        fun = lambda *a: partition(flat_call)(*a, layout, v_scale_swizzle)  # noqa: E731
+            return jnp_lowering(ctx, *args, impl="auto", **params)
+        values = tuple(params[name] for name in static)
+        fun = lambda *a: partition(flat_call)(*a, *values)  # noqa: E731
         return mlir.lower_fun(fun, multiple_results=True)(ctx, *args)
 
     return jnp_lowering, cuda_lowering

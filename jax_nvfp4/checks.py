@@ -140,7 +140,7 @@ IMPLS = ("auto", "kernel", "jnp")
 def check_options(**options):
     """The one validation of keyword options, for every public function: layout and
     scale_search among their values, v_scale_swizzle / checked / return_lse bools, dtype a
-    floating-point dtype, impl among :data:`IMPLS`. Raises ``ValueError`` (unknown value) or
+    floating-point dtype, impl among :data:`IMPLS`, max_q_len None or an int >= 1. Raises ``ValueError`` (unknown value) or
     ``TypeError`` (wrong type) naming the option."""
     for name, value in options.items():
         if name == "layout":
@@ -154,6 +154,14 @@ def check_options(**options):
         elif name == "impl":
             if not isinstance(value, str) or value not in IMPLS:
                 raise ValueError(f"impl must be one of {IMPLS}, got {value!r}")
+        elif name == "max_q_len":
+            if value is None:
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise TypeError("max_q_len must be None or a Python int (a static bound on "
+                                f"each sequence's query tokens), got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"max_q_len must be >= 1, got {value}")
         else:  # pragma: no cover - a programming error in this package
             raise AssertionError(f"check_options does not know {name!r}")
 

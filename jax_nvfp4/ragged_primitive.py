@@ -72,7 +72,7 @@ if _ffi.built_with_cuda():
 ragged_p = Primitive("nvfp4_ragged_paged_attention")
 ragged_p.multiple_results = True
 
-_STATIC = ("layout", "v_scale_swizzle", "impl")
+_STATIC = ("layout", "v_scale_swizzle", "impl", "max_q_len")
 
 
 def _bind_under_jit(*args, **params):
@@ -83,23 +83,25 @@ ragged_p.def_impl(jax.jit(_bind_under_jit, static_argnames=_STATIC))
 
 
 @ragged_p.def_abstract_eval
-def _abstract_eval(q, *args, layout, v_scale_swizzle, impl):
-    del args, layout, v_scale_swizzle, impl
+def _abstract_eval(q, *args, layout, v_scale_swizzle, impl, max_q_len):
+    del args, layout, v_scale_swizzle, impl, max_q_len
     return jax.core.ShapedArray(q.shape, q.dtype), jax.core.ShapedArray(q.shape[:-1], jnp.float32)
 
 
 def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
-         *, layout, v_scale_swizzle, impl):
+         *, layout, v_scale_swizzle, impl, max_q_len=None):
     """One (validated) call in the form users have: q ``[num_tokens, Hq, D]``, one layer's
     cache, block_tables ``[S, M]``, seq_lens ``[S]``, cu_q_lens ``[S + 1]``, scalar num_seqs
-    and scales. Returns ``(out, lse)``."""
+    and scales; ``max_q_len`` None or the caller's int bound on each sequence's query tokens.
+    Returns ``(out, lse)``."""
     lead = lambda x: jnp.reshape(x, (1,) + tuple(x.shape))  # noqa: E731
     ints = (checks.to_int32(x) for x in (block_tables, seq_lens, cu_q_lens))
     out, lse = ragged_p.bind(
         lead(q), lead(kv_cache), *(lead(x) for x in ints),
         jnp.reshape(checks.to_int32(num_seqs), (1,)),
         *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in (k_scale, v_scale, sm_scale)),
-        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl)
+        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl,
+        max_q_len=None if max_q_len is None else int(max_q_len))
     return out[0], lse[0]
 
 
@@ -107,12 +109,13 @@ def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_sc
 # The jnp path on the canonical form.
 
 
-def _jnp_canonical(*args, layout, v_scale_swizzle):
+def _jnp_canonical(*args, layout, v_scale_swizzle, max_q_len):
     def one(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
             sm_scale):
         return _reference.ragged_paged_attention(
             q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
-            layout=layout, v_scale_swizzle=v_scale_swizzle, sm_scale=sm_scale, return_lse=True)
+            layout=layout, v_scale_swizzle=v_scale_swizzle, sm_scale=sm_scale, return_lse=True,
+            max_q_len=max_q_len)
 
     return _decode.stacked_jnp(one, args)
 
@@ -142,16 +145,26 @@ def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
     return -(-num_tokens * group // ROWS_PER_CTA) + min(max_num_seqs, num_tokens)
 
 
+def few_rows_only(max_q_len, num_q_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the caller's bound ``max_q_len`` (None: none) lets the few-row kernel serve a
+    whole call alone: 2 or more tokens (a bound of 1 is a decode step, the decode kernel's),
+    at most ``FEW_ROWS`` query rows per kv head, a head size it covers (ffi/ragged_ffi.h)."""
+    return (max_q_len is not None and max_q_len >= 2 and head_size <= FEW_ROWS_MAX_HEAD_SIZE
+            and max_q_len * (num_q_heads // num_kv_heads) <= FEW_ROWS)
+
+
 def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: int,
                 num_q_heads: int, head_size: int, max_tokens: int, sm_count: int,
                 ctas_per_sm: int = _DEFAULT_CTAS_PER_SM,
-                few_rows_ctas_per_sm: int = _DEFAULT_FEW_ROWS_CTAS_PER_SM) -> tuple[int, int]:
+                few_rows_ctas_per_sm: int = _DEFAULT_FEW_ROWS_CTAS_PER_SM,
+                alone: bool = False) -> tuple[int, int]:
     """Split-KV plan of the ragged kernel: ``(num_splits, tokens_per_split)``.
 
     The work is counted as :func:`tile_slots` query tiles per kv head (the static bound: how
     the query tokens fall into sequences is only known on the device), each over up to
     ``max_tokens`` positions, or, when the tokens are few enough for every sequence to have at
-    most ``FEW_ROWS`` query rows per kv head (speculative decoding), as one CTA of the few-row
+    most ``FEW_ROWS`` query rows per kv head (speculative decoding), or when the few-row kernel
+    serves the call ``alone`` (:func:`few_rows_only`), as one CTA of the few-row
     kernel per (sequence, kv head) at that kernel's occupancy (``few_rows_ctas_per_sm``; the
     ragged kernel's is ``ctas_per_sm``);
     :func:`jax_nvfp4.attention_primitive.plan_splits_for_units` picks the splits. Few tiles over long contexts (speculative decoding, small batches) split;
@@ -160,7 +173,8 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     ``MAX_WORKSPACE_BYTES``, and members x splits under ``MAX_GRID_Z``.
     """
     group = num_q_heads // num_kv_heads
-    if head_size <= FEW_ROWS_MAX_HEAD_SIZE and num_tokens * group <= max_num_seqs * FEW_ROWS:
+    if alone or (head_size <= FEW_ROWS_MAX_HEAD_SIZE and
+                 num_tokens * group <= max_num_seqs * FEW_ROWS):
         # Few tokens per sequence on average (speculative decoding): the work is the few-row
         # kernel's, a CTA per (sequence, kv head) at its own occupancy.
         units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, few_rows_ctas_per_sm
@@ -192,18 +206,21 @@ def plan_one_token_splits(stacked: int, max_num_seqs: int, num_kv_heads: int, nu
 
 
 def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
-                 sm_scale, layout, v_scale_swizzle):
+                 sm_scale, layout, v_scale_swizzle, max_q_len):
     """The FFI call on whatever (per-device) shapes it gets."""
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
     stacked, num_tokens, num_q_heads, head_size = q.shape
     max_num_seqs, max_blocks = block_tables.shape[1:]
     max_tokens = max_blocks * geo.block_size
+    alone = few_rows_only(max_q_len, num_q_heads, geo.num_kv_heads, head_size)
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
-        _decode._sm_count(), _resident_ctas(head_size), _few_rows_resident_ctas(head_size))
+        _decode._sm_count(), _resident_ctas(head_size), _few_rows_resident_ctas(head_size),
+        alone=alone)
     # The sequences that own one query token go to the decode kernel (launched by the same
-    # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences.
-    decode_splits, decode_per_split = plan_one_token_splits(
+    # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences;
+    # unless the few-row kernel serves the call alone.
+    decode_splits, decode_per_split = (0, 0) if alone else plan_one_token_splits(
         stacked, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens)
     by_sequence = jax.ShapeDtypeStruct((stacked, max_num_seqs, num_q_heads, head_size), q.dtype)
     results = (_decode.split_kv_results(q, splits) +
@@ -212,12 +229,14 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
         q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
         layout=np.int32(_layout.LAYOUTS.index(layout)), v_scale_swizzle=bool(v_scale_swizzle),
         num_splits=np.int32(splits), tokens_per_split=np.int32(tokens_per_split),
-        decode_splits=np.int32(decode_splits), decode_tokens_per_split=np.int32(decode_per_split))
+        decode_splits=np.int32(decode_splits), decode_tokens_per_split=np.int32(decode_per_split),
+        max_q_len=np.int32(max_q_len or 0), few_rows_only=alone)
     return out, lse
 
 
-_jnp_lowering, _cuda_lowering = _decode.lowerings("ragged_paged_attention", _jnp_canonical,
-                                                  _kernel_call, lambda body: partitioned(body))
+_jnp_lowering, _cuda_lowering = _decode.lowerings(
+    "ragged_paged_attention", _jnp_canonical, _kernel_call, lambda body: partitioned(body),
+    static=("layout", "v_scale_swizzle", "max_q_len"))
 
 
 mlir.register_lowering(ragged_p, _jnp_lowering)
@@ -242,10 +261,11 @@ ad.primitive_jvps[ragged_p] = _jvp
 _NOT_MAPPED = None
 
 
-def _batch(args, dims, *, layout, v_scale_swizzle, impl):
+def _batch(args, dims, *, layout, v_scale_swizzle, impl, max_q_len):
     q = args[0]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _NOT_MAPPED)
-    params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
+    params = dict(layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl,
+                  max_q_len=max_q_len)
     if size == 0:
         return _decode.empty_batch(q, dims)
     if dims[1] is _NOT_MAPPED:
@@ -288,8 +308,8 @@ def _factors(layout: str, shapes):
             _partitioning.replicated_factors(operands, _SPLITTABLE))
 
 
-def _sharding_rule(layout, v_scale_swizzle, mesh, operand_types, result_types):
-    del v_scale_swizzle, mesh, result_types
+def _sharding_rule(layout, v_scale_swizzle, max_q_len, mesh, operand_types, result_types):
+    del v_scale_swizzle, max_q_len, mesh, result_types
     operands, results, replicated = _factors(layout, [tuple(t.shape) for t in operand_types])
     return _decode.rule_text(operands, results), {"need_replication_factors": replicated}
 
@@ -303,14 +323,15 @@ def _plan(layout, shapes, cache_sharding):
             [_partitioning.specs_of(kept, r) for r in results])
 
 
-def _infer_sharding_from_operands(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
-    del v_scale_swizzle, result_shape
+def _infer_sharding_from_operands(layout, v_scale_swizzle, max_q_len, mesh, arg_shapes,
+                                  result_shape):
+    del v_scale_swizzle, max_q_len, result_shape
     _, results = _plan(layout, [a.shape for a in arg_shapes], arg_shapes[1].sharding)
     return tuple(NamedSharding(mesh, s) for s in results)
 
 
-def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
-    del layout, v_scale_swizzle
+def _propagate_user_sharding(layout, v_scale_swizzle, max_q_len, mesh, user_shape):
+    del layout, v_scale_swizzle, max_q_len
     out = user_shape[0]
     entries = _partitioning.spec_entries(out.sharding, len(out.shape))
     keep = PartitionSpec(*entries[:-3], None, None, None)  # the stacked axes
@@ -320,17 +341,17 @@ def _propagate_user_sharding(layout, v_scale_swizzle, mesh, user_shape):
 @functools.lru_cache(maxsize=None)
 def partitioned(body):
     """``body(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
-    sm_scale, layout, v_scale_swizzle) -> (out, lse)`` under custom partitioning: each device
-    runs it on its own stacked members."""
+    sm_scale, layout, v_scale_swizzle, max_q_len) -> (out, lse)`` under custom partitioning:
+    each device runs it on its own stacked members."""
 
-    def partition(layout, v_scale_swizzle, mesh, arg_shapes, result_shape):
+    def partition(layout, v_scale_swizzle, max_q_len, mesh, arg_shapes, result_shape):
         del result_shape
         operands, results = _plan(layout, [a.shape for a in arg_shapes], arg_shapes[1].sharding)
-        return (mesh, lambda *a: body(*a, layout, v_scale_swizzle),
+        return (mesh, lambda *a: body(*a, layout, v_scale_swizzle, max_q_len),
                 tuple(NamedSharding(mesh, s) for s in results),
                 tuple(NamedSharding(mesh, s) for s in operands))
 
-    wrapped = custom_partitioning(body, static_argnums=(9, 10))
+    wrapped = custom_partitioning(body, static_argnums=(9, 10, 11))
     wrapped.def_partition(partition=partition,
                           infer_sharding_from_operands=_infer_sharding_from_operands,
                           propagate_user_sharding=_propagate_user_sharding,
@@ -338,5 +359,5 @@ def partitioned(body):
     return wrapped
 
 
-__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "kernel_supports",
-           "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]
+__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_only",
+           "kernel_supports", "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]

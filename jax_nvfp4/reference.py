@@ -332,7 +332,8 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
 # jax_nvfp4.ragged_paged_attention (impl="jnp"), the reference its CUDA kernel is tested against.
 
 
-def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: int):
+def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: int,
+                      with_q_len: bool = False):
     """Which sequence each query token belongs to, and how many positions it attends to.
 
     The rules of :func:`jax_nvfp4.ragged_paged_attention`, in one place (the CUDA kernel
@@ -353,14 +354,17 @@ def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: 
     Args:
       cu_q_lens: ``[max_num_seqs + 1]`` integer. num_seqs: integer scalar (shape ``()`` or
       ``(1,)``). seq_lens: ``[max_num_seqs]`` integer. num_tokens, capacity: static ints.
+      with_q_len: also return each token's ``q_len`` (its sequence's query tokens; 0 for
+      tokens nobody owns).
 
     Returns:
-      ``(seq, end)``: int32 ``[num_tokens]`` each; ``seq`` is the owning sequence (clamped into
-      ``[0, max_num_seqs - 1]`` for tokens nobody owns, whose ``end`` is 0).
+      ``(seq, end)`` or ``(seq, end, q_len)``: int32 ``[num_tokens]`` each; ``seq`` is the
+      owning sequence (clamped into ``[0, max_num_seqs - 1]`` for tokens nobody owns, whose
+      ``end`` is 0).
     """
     max_num_seqs = seq_lens.shape[0]
     if max_num_seqs == 0:                         # no sequence: no token is owned
-        return (jnp.zeros(num_tokens, jnp.int32),) * 2
+        return (jnp.zeros(num_tokens, jnp.int32),) * (3 if with_q_len else 2)
     cu = checks.to_int32(cu_q_lens)
     ns = jnp.clip(jnp.reshape(checks.to_int32(num_seqs), ()), 0, max_num_seqs)
     starts = jnp.clip(jax.lax.cummax(cu, axis=0), 0, num_tokens)           # [S + 1]
@@ -373,12 +377,13 @@ def ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens: int, capacity: 
     kv_len = jnp.maximum(checks.to_int32(seq_lens)[seq], 0)
     # kv_len - (q_len - 1 - j): never overflows int32 (0 <= q_len - 1 - j < num_tokens).
     end = jnp.clip(kv_len - (q_len - 1 - (t - starts[seq])), 0, capacity)
-    return seq, jnp.where(owned, end, 0).astype(jnp.int32)
+    plan = seq, jnp.where(owned, end, 0).astype(jnp.int32)
+    return plan + (jnp.where(owned, q_len, 0).astype(jnp.int32),) if with_q_len else plan
 
 
 def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
                            v_scale, *, layout="HND", v_scale_swizzle=True, sm_scale=None,
-                           return_lse=False):
+                           return_lse=False, max_q_len=None):
     """Ragged paged attention over an NVFP4 cache in pure jnp (no argument checks).
 
     The computation behind ``jax_nvfp4.ragged_paged_attention(..., impl="jnp")``, which
@@ -387,7 +392,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     positions it sees, and :func:`paged_attention` attends with that sequence's row of
     ``block_tables`` and that length. So one query token per sequence is the decode reader
     exactly, and the memory is that of a decode batch of ``num_tokens`` sequences (every token
-    gathers all ``max_blocks_per_seq`` pages of its row).
+    gathers all ``max_blocks_per_seq`` pages of its row). With ``max_q_len`` (a static int),
+    the rows of a sequence with more query tokens are NaN (out and lse), as on the kernels.
     """
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape, layout)
     num_tokens = q.shape[0]
@@ -396,8 +402,13 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         out = jnp.zeros(q.shape, q.dtype)
         lse = jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
         return (out, lse) if return_lse else out
-    seq, end = ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens,
-                                 max_blocks * geo.block_size)
-    return paged_attention(q, kv_cache, checks.to_int32(block_tables)[seq], end, k_scale,
-                           v_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
-                           sm_scale=sm_scale, return_lse=return_lse)
+    seq, end, q_len = ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens,
+                                        max_blocks * geo.block_size, with_q_len=True)
+    out, lse = paged_attention(q, kv_cache, checks.to_int32(block_tables)[seq], end, k_scale,
+                               v_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
+                               sm_scale=sm_scale, return_lse=True)
+    if max_q_len is not None:   # the caller's bound broken: NaN rows, as on the kernels
+        over = (q_len > max_q_len)[:, None]
+        out = jnp.where(over[..., None], jnp.asarray(jnp.nan, out.dtype), out)
+        lse = jnp.where(over, jnp.nan, lse)
+    return (out, lse) if return_lse else out

@@ -23,7 +23,7 @@ import jax_nvfp4
 
 from attention_cases import Case
 
-OPTIONS = ("layout", "v_scale_swizzle", "sm_scale", "return_lse", "impl")
+OPTIONS = ("layout", "v_scale_swizzle", "sm_scale", "return_lse", "impl", "max_q_len")
 ragged_jit = jax.jit(jax_nvfp4.ragged_paged_attention, static_argnames=OPTIONS)
 
 
@@ -76,6 +76,15 @@ class RaggedCase:
     def run(self, q, eager=False, **kw):
         fn = jax_nvfp4.ragged_paged_attention if eager else ragged_jit
         return fn(*self.args(q), **self.options, **kw)
+
+    def rows_over(self, max_q_len):
+        """[num_tokens] bool: the tokens of the sequences with more than max_q_len query
+        tokens (their rows are NaN under that bound)."""
+        over = np.zeros(self.num_tokens, bool)
+        for b, (_, q_len) in enumerate(self.seqs):
+            if q_len > max_q_len:
+                over[self.starts[b]:self.starts[b] + q_len] = True
+        return over
 
     def token_ends(self):
         """[num_tokens]: positions each query token attends to (0 for padding tokens)."""

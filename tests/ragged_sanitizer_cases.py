@@ -1,9 +1,10 @@
 """The ragged-attention kernel's cases for compute-sanitizer (a script, not a pytest module): every
 code path once and small (head sizes 64/128/256, both layouts, both V-scale orders, block sizes
 8..32, GQA 1/4, tiles of 4 to 64 rows on mma.sync and wgmma, a split-KV plan with its merge, the
-zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token sequences on the decode kernel),
-each checked
-against the jnp path run on the CPU. On a GPU machine, from the repository root (TESTING.md has
+zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token
+sequences on the decode kernel, the few-row kernel alone under max_q_len with its fill and a
+sequence over the bound), each checked against the jnp path run on the CPU (with the same
+bound: the same NaN rows). On a GPU machine, from the repository root (TESTING.md has
 the environment the sanitizers need):
 
     compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
@@ -16,24 +17,36 @@ import numpy as np, jax, jax.numpy as jnp
 from ragged_cases import RaggedCase, ragged_jit
 cpu, gpu = jax.devices("cpu")[0], jax.devices("gpu")[0]
 cases = [
-    # seed, seqs, head, layout, swizzle, bs, kv heads, q heads
-    (1, ((37, 1), (50, 4), (70, 23), (21, 21), (9, 0), (33, 11)), 128, "HND", True, 16, 2, 8),
-    (2, ((37, 1), (50, 4), (70, 23), (21, 21)), 64, "NHD", False, 12, 2, 8),
-    (3, ((200, 70), (30, 30)), 256, "HND", True, 8, 1, 8),
-    (4, ((3000, 4),), 128, "NHD", True, 16, 2, 8),          # split-KV + merge
-    (5, ((129, 130), (64, 1)), 64, "HND", True, 32, 1, 1),  # q_len > kv_len, GQA 1
+    # seed, seqs, head, layout, swizzle, bs, kv heads, q heads, max_q_len
+    (1, ((37, 1), (50, 4), (70, 23), (21, 21), (9, 0), (33, 11)), 128, "HND", True, 16, 2, 8,
+     None),
+    (2, ((37, 1), (50, 4), (70, 23), (21, 21)), 64, "NHD", False, 12, 2, 8, None),
+    (3, ((200, 70), (30, 30)), 256, "HND", True, 8, 1, 8, None),
+    (4, ((3000, 4),), 128, "NHD", True, 16, 2, 8, None),          # split-KV + merge
+    (5, ((129, 130), (64, 1)), 64, "HND", True, 32, 1, 1, None),  # q_len > kv_len, GQA 1
     # one-token sequences on the decode kernel, both kernels split-KV with their merges
-    (6, ((3000, 4), (2500, 1), (40, 1), (0, 1)), 128, "HND", True, 16, 2, 8),
+    (6, ((3000, 4), (2500, 1), (40, 1), (0, 1)), 128, "HND", True, 16, 2, 8, None),
+    # the few-row kernel alone (max_q_len 4 x GQA 4), split-KV, a sequence over the bound
+    (7, ((3000, 4), (2500, 1), (40, 3), (0, 1), (60, 6)), 128, "NHD", True, 16, 2, 8, 4),
+    # a bound over the ragged kernel's tiles: a chunk over it
+    (8, ((37, 1), (50, 4), (70, 23), (33, 11)), 64, "HND", False, 16, 2, 8, 11),
 ]
 worst = 0.0
-for seed, seqs, d, layout, swz, bs, kv, hq in cases:
+for seed, seqs, d, layout, swz, bs, kv, hq, bound in cases:
     with jax.default_device(cpu):
         c = RaggedCase(seed, seqs, head_size=d, layout=layout, v_scale_swizzle=swz, block_size=bs,
                        num_kv_heads=kv, pad_tokens=5)
         q = c.query(hq, jnp.bfloat16, seed=seed)
-        ref = np.asarray(ragged_jit(*c.args(q), **c.options).astype(jnp.float32))
-    out = ragged_jit(*jax.device_put(c.args(q), gpu), **c.options, impl="kernel")
+        ref = np.asarray(ragged_jit(*c.args(q), **c.options, max_q_len=bound)
+                         .astype(jnp.float32))
+    out = ragged_jit(*jax.device_put(c.args(q), gpu), **c.options, impl="kernel",
+                     max_q_len=bound)
     out = np.asarray(out.astype(jnp.float32))
+    nan = np.isnan(ref)                       # the rows over the bound: NaN on both paths
+    if not np.array_equal(nan, np.isnan(out)):
+        print(f"case {seed}: NaN rows differ from the jnp path's", flush=True)
+        worst = np.nan
+    out, ref = np.where(nan, 0.0, out), np.where(nan, 0.0, ref)
     err = np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30)
     worst = np.nan if np.isnan(err) or np.isnan(worst) else max(worst, err)  # max() drops NaN
     print(f"case {seed}: d={d} {layout} swz={swz} bs={bs}: max err / max|ref| = {err:.2e}", flush=True)

@@ -51,6 +51,9 @@ CPU = jax.devices("cpu")[0]
 #: (kv_len, q_len) of the mixed batch: decode, drafts, a chunk over a cached prefix, a prompt
 #: from scratch, a sequence with no query token, a chunk crossing pages at odd offsets.
 MIXED = ((37, 1), (50, 4), (70, 23), (21, 21), (9, 0), (33, 11), (16, 1))
+#: A verify step of speculative decoding under a bound (max_q_len = 4): drafts of 4, 3 and 2,
+#: a sequence with one token and one with none.
+SPEC = ((300, 4), (37, 3), (90, 1), (16, 2), (9, 0), (520, 4))
 
 
 def _cpu(fn, *args, **kw):
@@ -117,6 +120,54 @@ def test_cpu_one_token_per_sequence_is_paged_attention_bit_for_bit():
                         case.v_scale, return_lse=True)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+
+
+def test_cpu_max_q_len_changes_nothing_or_gives_nan_rows():
+    """A bound at the batch's longest sequence changes nothing (bit for bit); one below gives
+    the longer sequences NaN rows (out and lse) and leaves every other row as it was."""
+    case = shared_case(13, SPEC, pad_tokens=5)
+    q = case.query(8, jnp.float32, seed=3)
+    ref, ref_lse = (np.asarray(x) for x in _cpu(case.run, q, return_lse=True))
+    for bound in (4, 9):
+        out, lse = _cpu(case.run, q, return_lse=True, max_q_len=bound)
+        np.testing.assert_array_equal(np.asarray(out), ref)
+        np.testing.assert_array_equal(np.asarray(lse), ref_lse)
+    over = case.rows_over(3)
+    assert over.sum() == 8
+    out, lse = (np.asarray(x) for x in _cpu(case.run, q, return_lse=True, max_q_len=3))
+    assert np.isnan(out[over]).all() and np.isnan(lse[over]).all()
+    np.testing.assert_array_equal(out[~over], ref[~over])
+    np.testing.assert_array_equal(lse[~over], ref_lse[~over])
+
+
+def test_checked_reports_a_broken_max_q_len():
+    case = shared_case(13, SPEC)
+    q = case.query(8, jnp.float32)
+
+    def error_of(bound):
+        run = functools.partial(nv.ragged_paged_attention, **case.options, checked=True,
+                                max_q_len=bound)
+        err, _ = _cpu(jax.jit(checkify.checkify(run)), *case.args(q))
+        return err.get()
+
+    assert error_of(4) is None
+    message = error_of(3)
+    assert "more query tokens than max_q_len = 3" in message and "sequence 0" in message
+    assert "q_len = 4" in message and "2 such sequence(s)" in message
+
+
+def test_few_rows_only_rule():
+    """The few-row kernel serves a call alone for bounds of 2 or more whose rows per kv head
+    fit its 16 (ffi/ragged_ffi.h kFewRows), head sizes up to 128."""
+    assert rp.few_rows_only(4, 32, 8, 128) and rp.few_rows_only(16, 8, 8, 64)
+    assert rp.few_rows_only(2, 64, 8, 128)                       # 2 tokens x GQA 8
+    assert not rp.few_rows_only(5, 32, 8, 128)                   # 20 rows
+    assert not rp.few_rows_only(1, 32, 8, 128)                   # a decode step
+    assert not rp.few_rows_only(None, 32, 8, 128)
+    assert not rp.few_rows_only(4, 32, 8, 256)
+    # Alone, the plan counts the few-row kernel's CTAs whatever num_tokens says.
+    assert (rp.plan_splits(1, 2048, 32, 8, 32, 128, 8192, 132, 2, 2, alone=True) ==
+            rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2, 2))
 
 
 def test_token_plan_rules():
@@ -229,6 +280,9 @@ def test_argument_errors_name_the_argument():
     raises(ValueError, "num_q_heads 5 must be a multiple", (0, q[:, :5]))
     raises(ValueError, "cu_q_lens holds", (4, np.array([0, 2 ** 40] + [0] * 8, np.int64)))
     raises(ValueError, "impl must be", impl="fast")
+    raises(ValueError, "max_q_len must be >= 1", max_q_len=0)
+    raises(TypeError, "max_q_len must be None or a Python int", max_q_len=True)
+    raises(TypeError, "max_q_len must be None or a Python int", max_q_len=4.0)
     raises(TypeError, "checked must be a bool", checked=1)
 
 
@@ -347,8 +401,8 @@ def test_partitioning_rules_split_the_stacked_axis():
     L, T, S, M = 2, 40, 9, 8
     shapes = [(L, T, 8, 64), (L, 30, 2, 2, 16, 36), (1, S, M), (1, S), (1, S + 1), (1,),
               (L,), (L,), (1,)]
-    text, extra = rp._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
-                                                         for x in shapes], None)
+    text, extra = rp._sharding_rule("HND", True, None, mesh,
+                                    [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes], None)
     assert text == ("stack0 tokens q_heads head_size, stack0 c_blocks c_side c_heads c_rows c_f, "
                     "t_one0 seqs pages, l_one0 seqs, u_one0 seqs_1, n_one0, stack0, stack0, "
                     "s_one0 -> stack0 tokens q_heads head_size, stack0 tokens q_heads")
@@ -366,8 +420,8 @@ def test_partitioning_rules_split_the_stacked_axis():
     G = 2
     shapes = [(L, G, T, 8, 64), (L, G, 30, 2, 2, 16, 36), (L, 1, S, M), (1, 1, S),
               (1, 1, S + 1), (1, 1), (L, G), (L, G), (1, 1)]
-    text, extra = rp._sharding_rule("HND", True, mesh, [jax.ShapeDtypeStruct(x, jnp.float32)
-                                                         for x in shapes], None)
+    text, extra = rp._sharding_rule("HND", True, None, mesh,
+                                    [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes], None)
     assert text.startswith("stack0 stack1 tokens q_heads head_size, stack0 stack1 c_blocks ")
     assert "stack0 t_one1 seqs pages" in text
     assert not {"stack0", "stack1"} & set(extra["need_replication_factors"])
@@ -618,6 +672,58 @@ def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
                        block_size=bs)
     q = case.query(2 * ratio, jnp.bfloat16, seed=ratio)
     assert_kernel_matches_jnp(case, q, f"few-rows-r{ratio}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,head_size,layout,bs", [(4, 128, "HND", 16), (2, 64, "NHD", 12),
+                                                       (1, 128, "HND", 16), (8, 128, "NHD", 8)])
+def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
+    """A bound of max_q_len x the group <= 16 rows: the few-row kernel alone serves drafts,
+    one-token sequences, an empty sequence and the padding tokens, with split-KV (a few
+    sequences over long contexts); against the jnp path. A bound one token short gives the
+    longest sequences NaN rows, every other row unchanged."""
+    most = 16 // ratio
+    seqs = ((300, most), (37, 1), (1500, max(most - 1, 1)), (9, 0), (16, most), (700, 2))
+    case = shared_case(70 + ratio, seqs, head_size=head_size, layout=layout, num_kv_heads=2,
+                       block_size=bs, pad_tokens=70)
+    q = case.query(2 * ratio, jnp.bfloat16, seed=ratio)
+    assert rp.few_rows_only(most, 2 * ratio, 2, head_size)
+    splits, _ = rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 2 * ratio, head_size,
+                               case.capacity, jax.devices("gpu")[0].core_count,
+                               rp._resident_ctas(head_size),
+                               rp._few_rows_resident_ctas(head_size), alone=True)
+    assert splits > 1                                   # the merge runs too
+    ref, ref_lse = _cpu(case.run, q, return_lse=True)
+    gpu = jax.device_put(case.args(q), jax.devices("gpu")[0])
+    run = functools.partial(ragged_jit, *gpu, **case.options, return_lse=True, impl="kernel")
+    out, lse = (jax.device_get(x) for x in run(max_q_len=most))
+    assert_out_close(out, ref, q.dtype, roundings=2, label=f"alone-r{ratio}")
+    assert_lse_close(lse, ref_lse, KERNEL_LSE_ABS)
+    over = case.rows_over(most - 1)
+    out, lse = (jax.device_get(x) for x in run(max_q_len=most - 1))
+    assert np.isnan(out[over]).all() and np.isnan(lse[over]).all()
+    assert_out_close(out[~over], np.asarray(ref)[~over], q.dtype, roundings=2)
+    assert_lse_close(lse[~over], np.asarray(ref_lse)[~over], KERNEL_LSE_ABS)
+
+
+@pytest.mark.gpu
+def test_gpu_max_q_len_on_the_ragged_kernel():
+    """A bound over the ragged kernel's tiles (the mixed batch): at the longest sequence the
+    results are those without a bound, bit for bit; below it the longer sequences' rows are NaN
+    (the ragged kernel's tiles and the few-row kernel's drafts), the rest unchanged."""
+    case, q, _ = _gpu_case(0)
+    gpu = jax.device_put(case.args(q), jax.devices("gpu")[0])
+    run = functools.partial(ragged_jit, *gpu, **case.options, return_lse=True, impl="kernel")
+    ref, ref_lse = (jax.device_get(x) for x in run())
+    out, lse = (jax.device_get(x) for x in run(max_q_len=23))
+    np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(lse, ref_lse)
+    for bound in (11, 3):
+        over = case.rows_over(bound)
+        out, lse = (jax.device_get(x) for x in run(max_q_len=bound))
+        assert np.isnan(out[over]).all() and np.isnan(lse[over]).all()
+        np.testing.assert_array_equal(out[~over], ref[~over])
+        np.testing.assert_array_equal(lse[~over], ref_lse[~over])
 
 
 @pytest.mark.gpu
