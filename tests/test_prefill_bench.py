@@ -50,7 +50,8 @@ def test_prefill_bench_quick(tmp_path):
     expected = {"ragged", "dense", "dense_nc", "glue"}
     for p in result["points"]:
         methods = {r["method"] for r in result["rows"] if r["point"] == p["name"]}
-        extra = {"spec": {"decode"}, "mixed": {"part_decode", "part_chunks", "parts"}}
+        extra = {"spec": {"decode", "ragged_bound"},
+                 "mixed": {"part_decode", "part_chunks", "parts"}}
         assert methods == expected | extra.get(p["kind"], set()), (p["name"], methods)
         # The exact dense attention over the same (dequantised) values agrees with the jnp path
         # (bf16 K/V, outputs and lse: ~5e-3); a mask one position off would be ~1e-2 or more.
@@ -68,6 +69,10 @@ def test_prefill_bench_quick(tmp_path):
         assert ragged[name]["vs_dense"] is not None
     for name in ("spec2x4", "spec2x8", "mixed2+2x16"):
         assert ragged[name]["x_ref"] is not None
+    bound = {r["point"]: r for r in result["rows"] if r["method"] == "ragged_bound"}
+    assert set(bound) == {"spec2x4", "spec2x8"}
+    for r in bound.values():   # the same call told its longest query: the same values
+        assert "max_q_len = q" in r["label"] and r["x_ref"] is not None
     assert result["targets"] == []            # GPU targets: test_targets_from_rows checks them
     assert (tmp_path / "prefill_bench.md").read_text().startswith("Targets")
     if importlib.util.find_spec("matplotlib") is not None:
@@ -182,3 +187,8 @@ def test_targets_from_rows(bench):
     assert checks["s"]["status"] == "met" and checks["s"]["ratio"] == pytest.approx(1.2)
     assert checks["m"]["status"] == "missed" and checks["m"]["ratio"] == pytest.approx(1.3)
     assert checks["p"]["status"] == "not run"
+    # Speculative decoding: the faster of the ragged rows, with or without max_q_len.
+    rows.append(row("s", "spec", "ragged_bound", 110.0, label="bounded"))
+    bench.add_ratios(rows)
+    checks = {c["point"]: c for c in bench.evaluate_targets(result)}
+    assert checks["s"]["ratio"] == pytest.approx(1.1) and "bounded" in checks["s"]["value"]
