@@ -104,8 +104,13 @@ __device__ __forceinline__ void chunk_scores(const Chunk<kHead>& c, const QFragm
                                              const float (&score_scale)[kNT][2],
                                              float (&s)[Shape<kHead>::kTiles][kNT][4]) {
   using S = Shape<kHead>;
-  // Two accumulator chains per n-tile where one n-tile alone would wait on its MMAs.
-  constexpr int kChains = kNT == 1 ? 2 : 1;
+  // Two accumulator chains per n-tile where one n-tile alone would wait on its MMAs. With two
+  // n-tiles (the few-row kernel) two chains each also fit (245 registers either way, no
+  // spills), not yet timed: -DNVFP4_TWO_N_TILE_CHAINS=2 in CMAKE_CUDA_FLAGS builds it.
+#ifndef NVFP4_TWO_N_TILE_CHAINS
+#define NVFP4_TWO_N_TILE_CHAINS 1
+#endif
+  constexpr int kChains = kNT == 1 ? 2 : NVFP4_TWO_N_TILE_CHAINS;
 #pragma unroll
   for (int tile = 0; tile < S::kTiles; ++tile) {
     float acc[kNT][kChains][4];
