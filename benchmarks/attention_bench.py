@@ -1,23 +1,34 @@
-"""Benchmark of NVFP4 paged decode attention against a bf16 paged reader, dense attention and
-the memory ceiling.
+"""Benchmark of NVFP4 paged decode attention against bf16 paged readers (the library's jnp reader
+and JAX's Pallas paged attention), dense attention and the memory ceiling.
 
     python benchmarks/attention_bench.py              # the full grid (GPU); JSON + markdown + PNG
     python benchmarks/attention_bench.py --quick      # a tiny grid, a smoke run (works on CPU)
     python benchmarks/attention_bench.py --only kernel,bf16 --points 32x32768,ragged32 --repeats 5
 
-Grid: (batch, context) = (1, 131072), (8, 32768), (32, 8192), (32, 32768), (128, 1024),
-(128, 4096) and one ragged batch of 32 sequences with lengths drawn from 1..32768 (seed 0, block
-table as wide as the longest); 32 query heads over 8 kv heads, head size 128, pages of 16
-tokens, HND, swizzled V scales. Methods, all in one run: ``kernel`` (jax_nvfp4.paged_attention,
-impl="auto": the fused CUDA kernel on a GPU), ``jnp`` (impl="jnp": gathers every page of a
-row, dequantises to float32, attends; skipped where its float32 intermediates exceed a memory
-budget), ``bf16`` (jax_nvfp4.paged_attention_bf16 over a bf16 paged cache), ``dense``
-(jax.nn.dot_product_attention on a dense [batch, context, 8, 128] bf16 cache, cuDNN where it
-accepts the call, XLA otherwise; the label says which) and ``glue`` (the chaining glue of one
-step with no attention: an estimate of the overhead every other row includes). Caches are
-filled on the device with jax.random: NVFP4 pages are random code bytes with scale bytes in
-0x30..0x58 (finite E4M3, 0.5 to 16), k_scale = v_scale = 3/448; bf16 caches are normals.
-Every call reads its own random page order (a fresh permutation of the cache's pages).
+Grid: (batch, context) = (1, 4096), (1, 131072), (8, 4096), (8, 8192), (8, 32768), (32, 8192),
+(32, 32768), (64, 1024), (128, 1024), (128, 4096) (by batch, then context; (1, 4096),
+(8, 4096), (8, 8192) and (64, 1024) are serving points: at 1x4096 and 8x4096 the NVFP4 pages,
+4.7 and 37.7 MB, are of the size of a Hopper GPU's L2 cache (50 MB on the H100), so chained
+calls may read them from L2 and pass the copy ceiling) and one ragged batch of 32 sequences
+with lengths drawn from 1..32768 (seed 0, block table as wide as the longest); 32 query heads
+over 8 kv heads, head size 128, pages of 16 tokens, HND, swizzled V scales. Methods, all in one
+run: ``kernel`` (jax_nvfp4.paged_attention, impl="auto": the fused CUDA kernel on a GPU),
+``jnp`` (impl="jnp": gathers every page of a row, dequantises to float32, attends; skipped where
+its float32 intermediates exceed a memory budget), ``bf16`` (jax_nvfp4.paged_attention_bf16
+over a bf16 paged cache [pages, 16, 8, 128]; skipped like jnp), ``pallas``
+(jax.experimental.pallas.ops.gpu.paged_attention, JAX's Triton kernel: GPU only, skipped
+elsewhere with the reason; over the bf16 row's values re-laid out [num_kv_heads, total_pages,
+page_size, head_dim], q times 1/sqrt(128) first since the kernel applies no softmax scale, the
+block table padded with page 0 to k_splits partitions of whole compute blocks of 8 pages (Pallas
+masks the tokens past a sequence's length); each k_splits of PALLAS_K_SPLITS that leaves no
+partition empty is timed briefly (one round, chain lengths n1 and n2) and the fastest one is
+kept, the label says which), ``dense`` (jax.nn.dot_product_attention on a dense [batch,
+context, 8, 128] bf16 cache, cuDNN where it accepts the call, XLA otherwise; the label says
+which) and ``glue`` (the chaining glue of one step with no attention: an estimate of the
+overhead every other row includes). Caches are filled on the device with jax.random: NVFP4
+pages are random code bytes with scale bytes in 0x30..0x58 (finite E4M3, 0.5 to 16), k_scale =
+v_scale = 3/448; bf16 caches are normals. Every call reads its own random page order (a fresh
+permutation of the cache's pages).
 
 Timing method: device time per call from chained calls. n calls run in ONE compiled program;
 call i attends with its own query qs[i] + prev * 0 and its own block table tables[i] + z,
@@ -33,14 +44,16 @@ grid point; the row reports the mean of the two and their spread (a difference b
 smaller than the spread is noise).
 
 Bytes per call: NVFP4, the pages the sequences need, sum over sequences of
-ceil(len / 16) pages x 2 sides x 8 kv heads x 16 tokens x 72 bytes; bf16 paged and dense,
-len x 8 kv heads x 128 x 2 bytes x 2 (K and V) summed. q and the output (batch x 32 x 128 x 2
-bytes each) are left out: 1.4% of the NVFP4 bytes at 128x1024, 0.35% at 128x4096, under 0.2%
-elsewhere (the log line of each point prints the share). Floor = bytes / ceiling, the ceiling being
-store_bench.measure_ceiling's copy / elementwise pass measured in the same run, which counts
-bytes read + written; attention only reads, so it can exceed 100% of that ceiling. The jnp
-readers read more than they are credited with (all pages of a row, padding included, and
-float32 K/V), and so does dense XLA on the ragged batch (the padded cache).
+ceil(len / 16) pages x 2 sides x 8 kv heads x 16 tokens x 72 bytes; bf16 paged (both readers)
+and dense, len x 8 kv heads x 128 x 2 bytes x 2 (K and V) summed. q and the output (batch x 32
+x 128 x 2 bytes each) are left out: 1.4% of the NVFP4 bytes at 64x1024 and 128x1024, 0.35% at
+1x4096, 8x4096 and 128x4096, under 0.2% elsewhere (the log line of each point prints the
+share). Floor = bytes / ceiling, the ceiling being store_bench.measure_ceiling's copy /
+elementwise pass measured in the same run, which counts bytes read + written; attention only
+reads, so it can exceed 100% of that ceiling. The jnp readers read more than they are credited
+with (all pages of a row, padding included, and float32 K/V), so does dense XLA on the ragged
+batch (the padded cache), and so may Pallas, which reads whole compute blocks of 8 pages (the
+tokens past a sequence's length in its last block masked).
 """
 
 from __future__ import annotations
@@ -74,14 +87,28 @@ HEAD_SIZE = 128
 K_SCALE = V_SCALE = 3.0 / 448.0
 SCALE_BYTE_RANGE = (0x30, 0x58)  # finite E4M3 (0.5 .. 16); 0x7F / 0xFF would be NaN
 
-FULL_POINTS = [(1, 131072), (8, 32768), (32, 8192), (32, 32768), (128, 1024), (128, 4096)]
+# By batch, then context; 1x4096, 8x4096, 8x8192 and 64x1024 are serving points (issue 18).
+FULL_POINTS = [(1, 4096), (1, 131072), (8, 4096), (8, 8192), (8, 32768), (32, 8192), (32, 32768),
+               (64, 1024), (128, 1024), (128, 4096)]
 FULL_RAGGED = (32, 32768)  # sequences, longest possible length
 QUICK_POINTS = [(2, 512)]
 QUICK_RAGGED = (4, 512)
 
-METHODS = ("kernel", "jnp", "bf16", "dense", "glue")
+METHODS = ("kernel", "jnp", "bf16", "pallas", "dense", "glue")
 LABELS = {"kernel": "nvfp4 kernel (impl=auto)", "jnp": "nvfp4 jnp (impl=jnp)",
-          "bf16": "bf16 paged (jnp)", "dense": "dense dpa", "glue": "chain glue (no attention)"}
+          "bf16": "bf16 paged (jnp)", "pallas": "bf16 paged (Pallas)", "dense": "dense dpa",
+          "glue": "chain glue (no attention)"}
+
+#: k_splits values of the Pallas row tried at every point (--pallas-k-splits), the fastest kept.
+PALLAS_K_SPLITS = (1, 2, 4, 8, 16)
+#: Pages per compute block of the Pallas kernel (its default): one compute block is 8 x 16 =
+#: 128 tokens, the K/V tile of one dot.
+PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
+#: |pallas - bf16| / |bf16| of the first outputs above which the sanity check warns: the same
+#: bf16 values, but Pallas rounds the scaled q, the softmax weights and each partition's output
+#: to bf16 (its interpreter on the quick grid: 3.8e-3 to 4.1e-3; one token of 512 left out:
+#: 3.2e-2; tests/test_attention_bench.py).
+PALLAS_SANITY_TOLERANCE = 1e-2
 
 # The project's targets: % of the copy ceiling for the kernel, and the ragged batch's time over
 # its own bytes floor.
@@ -195,10 +222,16 @@ def make_inputs(point, methods, n_calls, key):
         arrays["nvfp4"] = jax.jit(_fill_nvfp4, static_argnums=1)(keys[2], num_blocks)
         arrays["k_scale"] = jnp.float32(K_SCALE)
         arrays["v_scale"] = jnp.float32(V_SCALE)
-    if "bf16" in methods:
+    if {"bf16", "pallas"} & set(methods):
+        # One bf16 cache for both bf16 readers: the Pallas row reads the same values, re-laid out.
         shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-        arrays["k_bf16"] = jax.jit(_normal, static_argnums=1)(keys[3], shape)
-        arrays["v_bf16"] = jax.jit(_normal, static_argnums=1)(keys[4], shape)
+        k_bf16 = jax.jit(_normal, static_argnums=1)(keys[3], shape)
+        v_bf16 = jax.jit(_normal, static_argnums=1)(keys[4], shape)
+        if "bf16" in methods:
+            arrays["k_bf16"], arrays["v_bf16"] = k_bf16, v_bf16
+        if "pallas" in methods:
+            arrays["k_pages"], arrays["v_pages"] = (jax.jit(pallas_pages)(x)
+                                                    for x in (k_bf16, v_bf16))
     if "dense" in methods:
         shape = (batch, point["context"], NUM_KV_HEADS, HEAD_SIZE)
         arrays["k_dense"] = jax.jit(_normal, static_argnums=1)(keys[5], shape)
@@ -216,7 +249,8 @@ def free(tree):
 # The methods: attn(q [B, Hq, D] bf16, block table [B, M] int32, seq_lens [B] int32, arrays).
 
 _NEEDS = {"kernel": ("nvfp4", "k_scale", "v_scale"), "jnp": ("nvfp4", "k_scale", "v_scale"),
-          "bf16": ("k_bf16", "v_bf16"), "dense": ("k_dense", "v_dense"), "glue": ()}
+          "bf16": ("k_bf16", "v_bf16"), "pallas": ("k_pages", "v_pages"),
+          "dense": ("k_dense", "v_dense"), "glue": ()}
 
 
 def nvfp4_attn(impl):
@@ -228,6 +262,83 @@ def nvfp4_attn(impl):
 
 def bf16_attn(q, table, lens, a):
     return jax_nvfp4.paged_attention_bf16(q, a["k_bf16"], a["v_bf16"], table, lens)
+
+
+# JAX's Pallas paged attention (jax.experimental.pallas.ops.gpu.paged_attention, a Triton
+# kernel). Its constraints, from its source: pages [num_kv_heads, total_num_pages, page_size,
+# head_dim]; lengths int32; block_h a multiple of 16 (its default 16 is kept: the 4 q heads of
+# a kv head are padded to 16 rows); the block table's width (pages_per_sequence) a multiple of
+# k_splits, each partition of pages_per_partition = width / k_splits pages a whole number of
+# compute blocks of min(pages_per_partition, pages_per_compute_block) pages; and its Triton
+# lowering loads a compute block's K/V tile at once, whose size must be a power of 2.
+
+
+def pallas_pages(pages):
+    """A bf16 paged cache [num_blocks, block_size, num_kv_heads, head_size] (the bf16 row's)
+    as Pallas's pages [num_kv_heads, total_num_pages, page_size, head_dim]: the same values."""
+    return jnp.transpose(pages, (2, 0, 1, 3))
+
+
+def pallas_pages_per_partition(max_blocks, k_splits):
+    """pages_per_partition of Pallas's paged attention for a block table max_blocks wide split
+    k_splits ways, the table padded to k_splits x this: a multiple of the compute block
+    (PALLAS_PAGES_PER_COMPUTE_BLOCK), or below one compute block a power of 2 (then the compute
+    block is the partition, and the Triton tile of pages x 16 x 128 stays a power of 2)."""
+    per = -(-max_blocks // k_splits)
+    block = PALLAS_PAGES_PER_COMPUTE_BLOCK
+    return -(-per // block) * block if per >= block else 1 << (per - 1).bit_length()
+
+
+def pallas_k_splits(max_blocks, candidates=PALLAS_K_SPLITS):
+    """The candidates that give every partition of a block table max_blocks wide at least one
+    of its pages (an empty partition is a launch that reads nothing), in the given order."""
+    return [k for k in candidates
+            if (k - 1) * pallas_pages_per_partition(max_blocks, k) < max_blocks]
+
+
+def pallas_paged_attention(q, k_pages, v_pages, block_tables, lens, k_splits, interpret=False):
+    """jax.experimental.pallas.ops.gpu.paged_attention as the library's readers attend: softmax
+    scale 1/sqrt(head_size) (the kernel applies none, so q is scaled first, in float32, then
+    rounded back to q's dtype), the block table padded with page 0 to the kernel's partitions
+    (Pallas masks every token past a sequence's length and skips the partitions past it: a
+    padding entry is at most read as part of a sequence's last compute block, masked).
+    ``interpret=True`` runs Pallas's interpreter (the CPU tests); the benchmark runs it on a GPU
+    only. q [batch, num_q_heads, head_dim]; pages [num_kv_heads, total_num_pages, page_size,
+    head_dim] (:func:`pallas_pages`); block_tables [batch, max_blocks]; lens [batch] int32."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+
+    sm_scale = jax_nvfp4.reference.default_sm_scale(q.shape[-1])
+    q = (q.astype(jnp.float32) * sm_scale).astype(q.dtype)
+    max_blocks = block_tables.shape[1]
+    width = k_splits * pallas_pages_per_partition(max_blocks, k_splits)
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, width - max_blocks)))
+    return pallas_paged.paged_attention(q, k_pages, v_pages, block_tables, lens,
+                                        k_splits=k_splits,
+                                        pages_per_compute_block=PALLAS_PAGES_PER_COMPUTE_BLOCK,
+                                        interpret=interpret)
+
+
+def pallas_attn(k_splits, interpret=False):
+    def attn(q, table, lens, a):
+        return pallas_paged_attention(q, a["k_pages"], a["v_pages"], table, lens, k_splits,
+                                      interpret)
+    return attn
+
+
+def pallas_label(k_splits):
+    return f"bf16 paged (Pallas, k_splits={k_splits})"
+
+
+def pallas_skip_reason(max_blocks, candidates):
+    """Why the Pallas row does not run at a point whose block table is max_blocks wide, with
+    these k_splits candidates, else None."""
+    if not store_bench.on_gpu():  # off a GPU Pallas runs only in its interpreter: no timing
+        return (f"GPU only: jax.experimental.pallas.ops.gpu.paged_attention lowers through "
+                f"Triton; this is {jax.devices()[0].platform}")
+    if not pallas_k_splits(max_blocks, candidates):
+        return (f"none of the k_splits {list(candidates)} gives every partition of a block "
+                f"table {max_blocks} pages wide a page (--pallas-k-splits)")
+    return None
 
 
 def glue_attn(q, table, lens, a):
@@ -303,6 +414,7 @@ class Method:
         self.linearity = None
         self.first_out = None
         self.lowered_text = ""
+        self.extra = {}  # fields of its row beyond the common ones
 
     def program(self, n):
         if n not in self.programs:
@@ -360,6 +472,60 @@ def _first_line(e):
 # ---------------------------------------------------------------------------------------------
 
 
+def pallas_method(k_splits, inputs):
+    """The Pallas row's Method at one k_splits (its row says which: ``k_splits``)."""
+    method = Method("pallas", pallas_label(k_splits), pallas_attn(k_splits), inputs)
+    method.extra["k_splits"] = k_splits
+    return method
+
+
+def start_method(method, point, args, skipped, log, check_hlo=False):
+    """Compiles and runs one call of method and sets its chain lengths; False where it does not
+    run here (the reason in skipped and the log, the method closed)."""
+    try:
+        single = method.start(check_hlo=check_hlo)
+    except Exception as e:  # noqa: BLE001  (a variant that does not run is skipped)
+        method.close()
+        why = _first_line(e)
+        skipped.append({"point": point["name"], "method": method.label, "why": why})
+        log(f"  {method.label}: does not run here ({why})")
+        return False
+    cap = {"jnp": args.max_chain_jnp, "bf16": args.max_chain_jnp,
+           "dense": args.max_chain_dense}.get(method.key, args.max_chain)
+    # Calls of 10 ms and more: 2 calls of difference are far above the host's jitter.
+    n_min = min(args.min_chain, 4) if single > 0.01 else args.min_chain
+    method.lengths = chain_lengths(single, args.target_seconds, n_min,
+                                   max(min(cap, args.max_chain), n_min))
+    return True
+
+
+def fastest(methods, point, args, skipped, log):
+    """The fastest of started variants of one row, by one brief round each (its chain lengths
+    n1 and n2, a third of the repeats); the others are closed, and the winner's rounds start
+    afresh. Its row keeps every variant's brief time (``variants_us``). None if none times."""
+    timed = []
+    for method in methods:
+        try:
+            timed.append((method.time_round(method.lengths[::2], max(1, args.repeats // 3)),
+                          method))
+        except Exception as e:  # noqa: BLE001  (e.g. out of memory in a long chain)
+            why = _first_line(e)
+            log(f"  {method.label}: timing failed ({why})")
+            skipped.append({"point": point["name"], "method": method.label, "why": why})
+            method.close()
+    if not timed:
+        return None
+    best = min(timed, key=lambda t: t[0])[1]
+    log("  " + ", ".join(f"{m.label} {t * 1e6:.2f} us" for t, m in timed)
+        + f" (brief): keeping {best.label}")
+    for _, method in timed:
+        if method is not best:
+            method.close()
+    best.rounds, best.linearity = [], None
+    best.extra["variants_us"] = {m.label: t * 1e6 for t, m in timed}
+    return best
+
+
 def run_point(point, args, ceiling_bps, budget, key, log):
     methods = [m for m in METHODS if m in args.only]
     skipped = []
@@ -372,11 +538,25 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                        f"{budget / GiB:.3g} GiB (--jnp-budget-gib)")
                 skipped.append({"point": point["name"], "method": m, "why": why})
                 log(f"  skip {label(m)}: {why}")
+    if "pallas" in methods:
+        max_blocks = int(point["pages"].max())
+        k_splits = pallas_k_splits(max_blocks, args.pallas_k_splits)
+        why = pallas_skip_reason(max_blocks, args.pallas_k_splits)
+        if why:
+            methods.remove("pallas")
+            skipped.append({"point": point["name"], "method": "pallas", "why": why})
+            log(f"  skip {label('pallas')}: {why}")
     inputs = make_inputs(point, methods, args.max_chain, key)
     on_gpu = jax.devices()[0].platform == "gpu"
     built = []
     try:
         for m in methods:
+            if m == "pallas":
+                started = [method for method in (pallas_method(k, inputs) for k in k_splits)
+                           if start_method(method, point, args, skipped, log)]
+                best = fastest(started, point, args, skipped, log)
+                built += [best] if best is not None else []
+                continue
             if m == "dense":
                 variants = dense_variants(point["name"].startswith("ragged"))
             else:
@@ -388,22 +568,10 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                     attn = {"kernel": nvfp4_attn("auto"), "jnp": nvfp4_attn("jnp"),
                             "bf16": bf16_attn, "glue": glue_attn}[m]
                     method = Method(m, label(m), attn, inputs)
-                try:
-                    single = method.start(check_hlo=(m == "kernel" and on_gpu))
-                except Exception as e:  # noqa: BLE001  (a variant that does not run is skipped)
-                    method.close()
-                    why = _first_line(e)
-                    skipped.append({"point": point["name"], "method": method.label, "why": why})
-                    log(f"  {method.label}: does not run here ({why})")
-                    continue
-                cap = {"jnp": args.max_chain_jnp, "bf16": args.max_chain_jnp,
-                       "dense": args.max_chain_dense}.get(m, args.max_chain)
-                # Calls of 10 ms and more: 2 calls of difference are far above the host's jitter.
-                n_min = min(args.min_chain, 4) if single > 0.01 else args.min_chain
-                method.lengths = chain_lengths(single, args.target_seconds, n_min,
-                                               max(min(cap, args.max_chain), n_min))
-                built.append(method)
-                break
+                if start_method(method, point, args, skipped, log,
+                                check_hlo=(m == "kernel" and on_gpu)):
+                    built.append(method)
+                    break
         _sanity(built, log)
         for round_index in range(2):
             for method in built:
@@ -430,6 +598,12 @@ def _sanity(built, log):
     for m in built:
         if m.key != "kernel" and not np.isfinite(m.first_out).all():
             log(f"  WARNING: {m.label}: first output is not finite")
+    if "pallas" in by_key and "bf16" in by_key:  # the same bf16 values, q and block table
+        err = _rel_err(by_key["pallas"].first_out, by_key["bf16"].first_out)
+        warn = not err <= PALLAS_SANITY_TOLERANCE  # NaN warns too
+        log(f"  sanity: |pallas - bf16| / |bf16| = {err:.2e} ({by_key['pallas'].label}; same q, "
+            f"block table and bf16 values)"
+            + (f"  WARNING: above {PALLAS_SANITY_TOLERANCE:g}" if warn else ""))
     kernel = by_key.get("kernel")
     if kernel is None:
         return
@@ -445,22 +619,26 @@ def _sanity(built, log):
     log(f"  sanity: kernel output {'finite' if finite else 'NOT FINITE'} "
         f"(max |out| {np.nanmax(np.abs(out)):.3g}); impl=auto {how}")
     if "jnp" in by_key:
-        ref = by_key["jnp"].first_out
-        err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+        err = _rel_err(out, by_key["jnp"].first_out)
         log(f"  sanity: |kernel - jnp| / |jnp| = {err:.2e} (same q and block table)")
+
+
+def _rel_err(a, b):
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def _row(point, method, ceiling_bps):
     r1, r2 = method.rounds
     per_call = (r1 + r2) / 2
     nbytes = {"kernel": point["nvfp4_bytes"], "jnp": point["nvfp4_bytes"],
-              "bf16": point["bf16_bytes"], "dense": point["bf16_bytes"]}.get(method.key)
+              "bf16": point["bf16_bytes"], "pallas": point["bf16_bytes"],
+              "dense": point["bf16_bytes"]}.get(method.key)
     row = {"point": point["name"], "batch": point["batch"], "context": point["context"],
            "tokens": point["tokens"], "method": method.key, "label": method.label,
            "us_per_call": per_call * 1e6, "us_round1": r1 * 1e6, "us_round2": r2 * 1e6,
            "spread_pct": 100 * abs(r1 - r2) / per_call if per_call > 0 else float("nan"),
            "linearity": method.linearity, "chain_lengths": list(method.lengths), "bytes": nbytes,
-           "GBps": None, "pct_ceiling": None, "x_floor": None}
+           "GBps": None, "pct_ceiling": None, "x_floor": None, **method.extra}
     if nbytes and per_call > 0:
         row["GBps"] = nbytes / per_call / 1e9
         row["pct_ceiling"] = 100 * nbytes / per_call / ceiling_bps
@@ -641,7 +819,10 @@ def plot(result, path):
     x = np.arange(len(names))
     for i, m in enumerate(methods):
         rs = [rows.get((n, m)) for n in names]
-        label = next(r["label"] for r in rs if r) if any(rs) else m
+        labels = {r["label"] for r in rs if r}
+        # One label where every point's row says the same, else the method's (Pallas's k_splits
+        # is chosen per point).
+        label = labels.pop() if len(labels) == 1 else LABELS[m]
         offset = x - 0.4 + width * (i + 0.5)
         axes[0].bar(offset, [r["us_per_call"] if r else np.nan for r in rs], width, label=label)
         axes[1].bar(offset, [r["pct_ceiling"] if r and r["pct_ceiling"] else np.nan for r in rs],
@@ -707,8 +888,18 @@ def main(argv=None):
     p = timing_options(__doc__.split("\n\n")[0], METHODS, "32x32768,ragged32")
     p.add_argument("--max-chain-jnp", type=int, default=16,
                    help="longest chain of the jnp readers (their programs are large)")
+    p.add_argument("--pallas-k-splits", default=",".join(map(str, PALLAS_K_SPLITS)),
+                   help="comma-separated k_splits of the Pallas row to try at each point, the "
+                        "fastest kept (GPU; default %(default)s)")
     args = p.parse_args(argv)
     args.only = _csv(args.only, METHODS, "method")
+    try:
+        args.pallas_k_splits = [int(k) for k in _csv(args.pallas_k_splits, None, "k_splits")]
+    except ValueError:
+        p.error(f"--pallas-k-splits must be comma-separated integers, got "
+                f"{args.pallas_k_splits!r}")
+    if not args.pallas_k_splits or min(args.pallas_k_splits) < 1:
+        p.error(f"--pallas-k-splits must be integers >= 1, got {args.pallas_k_splits}")
     quick = args.quick
     args.repeats = args.repeats or (3 if quick else 7)
     args.target_seconds = args.target_seconds if args.target_seconds is not None else (

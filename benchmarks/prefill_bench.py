@@ -449,10 +449,6 @@ def build_methods(point, specs, inputs, args, n_calls, log, skipped):
     return built
 
 
-def _rel_err(a, b):
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def sanity(point, built, log):
     """First outputs (same q, same block table): ragged against the exact dense attention over
     the same dequantised values, and against its parts; kernels present in the compiled HLO."""
@@ -475,12 +471,12 @@ def sanity(point, built, log):
         f"(max |out| {np.nanmax(np.abs(ragged.first_out)):.3g}; "
         f"{'kernel' if out.get('ragged_kernel') else 'jnp path'} on {platform})")
     if "dense" in by_key:
-        out["ragged_vs_dense"] = err = _rel_err(ragged.first_out, by_key["dense"].first_out)
+        out["ragged_vs_dense"] = err = ab._rel_err(ragged.first_out, by_key["dense"].first_out)
         log(f"  sanity: |ragged - dense| / |dense| = {err:.2e} (dense over the dequantised pages, "
             f"{by_key['dense'].label})" + ("  WARNING: large" if err > 0.05 else ""))
     if "part_decode" in by_key and "part_chunks" in by_key:
         parts = np.concatenate([by_key["part_decode"].first_out, by_key["part_chunks"].first_out])
-        out["ragged_vs_parts"] = err = _rel_err(ragged.first_out, parts)
+        out["ragged_vs_parts"] = err = ab._rel_err(ragged.first_out, parts)
         log(f"  sanity: |mixed - parts| / |parts| = {err:.2e}" + ("  WARNING: large" if err > 0.05
                                                                   else ""))
     return out

@@ -136,7 +136,7 @@ QUICK = dict(model="tiny", dtype="float32", kv_gib=3 / 1024, contexts=(64, 192),
 PALLAS_K_SPLITS = (4, 8, 16, 32)
 #: The Pallas reader's pages per compute block (its default); its block table's width must be
 #: a multiple of k_splits x this: the table is padded to a multiple of PALLAS_TABLE_MULTIPLE.
-PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
+PALLAS_PAGES_PER_COMPUTE_BLOCK = ab.PALLAS_PAGES_PER_COMPUTE_BLOCK
 PALLAS_TABLE_MULTIPLE = max(PALLAS_K_SPLITS) * PALLAS_PAGES_PER_COMPUTE_BLOCK
 
 #: Bounds of the logit check: relative L2 distance of the first step's logits (first CHECK_ROWS
@@ -317,13 +317,9 @@ class BF16PagedCache(_BF16Cache):
     def attend(self, q, cache, tables, lens, scale):
         if self.k_splits is None:
             return jax_nvfp4.paged_attention_bf16(q, *cache, tables, lens)
-        from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
-
-        # The Pallas kernel applies no softmax scale: q is scaled first (in float32).
-        q = (q.astype(jnp.float32) / math.sqrt(q.shape[-1])).astype(q.dtype)
-        return pallas_paged.paged_attention(q, *cache, tables, lens, k_splits=self.k_splits,
-                                            pages_per_compute_block=PALLAS_PAGES_PER_COMPUTE_BLOCK,
-                                            interpret=self.interpret)
+        # attention_bench's call (q scaled first: the Pallas kernel applies no softmax scale);
+        # the table, a multiple of PALLAS_TABLE_MULTIPLE wide, needs no padding there.
+        return ab.pallas_paged_attention(q, *cache, tables, lens, self.k_splits, self.interpret)
 
 
 class DenseCache(_BF16Cache):

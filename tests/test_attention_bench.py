@@ -1,17 +1,38 @@
-"""benchmarks/attention_bench.py --quick: the smoke run of the attention benchmark, on the CPU.
+"""benchmarks/attention_bench.py: its --quick smoke run on the CPU, and the Pallas row's
+GPU-only path checked without a GPU.
 
-Runs the script in a subprocess (its own JAX, on the CPU backend) with a time limit, into a
-temporary output folder, and checks that it prints the targets and the table last and writes the
-JSON (and the PNG where matplotlib is installed). About 20 s on 2 CPU cores.
+The smoke run is a subprocess (its own JAX, on the CPU backend) with a time limit, into a
+temporary output folder: it prints the targets and the table last, writes the JSON (and the PNG
+where matplotlib is installed) and reports the Pallas row skipped with its reason. About 20 s on
+2 CPU cores. The Pallas tests check the call the benchmark makes on a GPU
+(jax.experimental.pallas.ops.gpu.paged_attention) without one: its k_splits candidates against
+the kernel's constraints, the call lowered for CUDA (Pallas's checks and its Triton lowering
+run; XLA's GPU compiler does not), its pages against the bf16 row's, its output in Pallas's
+interpreter (interpret=True) against the bf16 row's, and the row's choice of k_splits; about
+17 s.
 """
 
+import argparse
+import functools
 import importlib.util
 import json
+import math
+import re
 
-from scripts import run_on_cpu
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scripts import load_script, run_on_cpu
 
 BENCH_PATH = "benchmarks/attention_bench.py"
 TIME_LIMIT_S = 240  # a hang fails; the run itself takes about 20 s
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script(BENCH_PATH, "attention_bench")
 
 
 def test_attention_bench_quick(tmp_path):
@@ -24,6 +45,9 @@ def test_attention_bench_quick(tmp_path):
     assert "Targets (kernel, NVFP4 bytes): not evaluated on cpu (GPU targets)" in out
     assert " FAIL" not in out and " PASS" not in out and "0.00 TB/s" not in out
     assert "nvfp4 kernel (impl=auto)" not in out
+    pallas_why = ("GPU only: jax.experimental.pallas.ops.gpu.paged_attention lowers through "
+                  "Triton; this is cpu")
+    assert out.count(f"skip bf16 paged (Pallas): {pallas_why}") == 2  # once per point
     assert f"wrote {tmp_path / 'attention_bench.json'}, {tmp_path / 'attention_bench.md'}" in out
     if importlib.util.find_spec("matplotlib") is None:
         assert 'no plot: matplotlib is not installed' in out and '.[bench]' in out
@@ -37,12 +61,178 @@ def test_attention_bench_quick(tmp_path):
         rows = [line for line in table.splitlines() if line.startswith(f"| {point} |")]
         for method in methods:
             assert any(method in row for row in rows), (point, method, table)
+    assert "Pallas" not in table
 
     result = json.loads((tmp_path / "attention_bench.json").read_text())
     assert {r["point"] for r in result["rows"]} == {"2x512", "ragged4"}
     assert {r["method"] for r in result["rows"]} == {"kernel", "jnp", "bf16", "dense", "glue"}
+    # The Pallas row: skipped at every point, with its reason, never timed.
+    assert [s for s in result["skipped"] if s["method"] == "pallas"] == [
+        {"point": p, "method": "pallas", "why": pallas_why} for p in ("2x512", "ragged4")]
     for r in result["rows"]:
         assert len(r["chain_lengths"]) == 3 and r["us_per_call"] >= 0
     assert (tmp_path / "attention_bench.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "attention_bench.png").stat().st_size > 0
+
+
+def test_full_grid_has_the_serving_points_in_order(bench):
+    names = [p["name"] for p in bench.make_points(False, 0)]
+    assert names == ["1x4096", "1x131072", "8x4096", "8x8192", "8x32768", "32x8192", "32x32768",
+                     "64x1024", "128x1024", "128x4096", "ragged32"]  # by batch, then context
+
+
+def _is_power_of_2(n):
+    return n > 0 and n & (n - 1) == 0
+
+
+@pytest.mark.parametrize("candidates", [(1, 2, 4, 8, 16), (3, 5, 32, 64)])
+def test_pallas_k_splits_meet_the_kernels_constraints(bench, candidates):
+    """Every k_splits kept for a block table of any width meets Pallas's constraints (its
+    paged_attention_unbatched's asserts and its Triton lowering's power-of-2 tiles) on the
+    padded table, which holds the whole table, leaves no partition empty and pads less than
+    one compute block per partition."""
+    block = bench.PALLAS_PAGES_PER_COMPUTE_BLOCK
+    grid = {int(p["pages"].max()) for quick in (True, False) for p in bench.make_points(quick, 0)}
+    for max_blocks in sorted(set(range(1, 600)) | grid):
+        kept = bench.pallas_k_splits(max_blocks, candidates)
+        assert (1 in kept) == (1 in candidates)  # one partition always holds a page
+        for k in kept:
+            per_partition = bench.pallas_pages_per_partition(max_blocks, k)
+            width = k * per_partition
+            assert width >= max_blocks and width % k == 0, (max_blocks, k)
+            compute_block = min(per_partition, block)
+            assert per_partition % compute_block == 0, (max_blocks, k)
+            tile = compute_block * bench.BLOCK_SIZE * bench.HEAD_SIZE  # K/V values loaded at once
+            assert _is_power_of_2(tile), (max_blocks, k)
+            assert (k - 1) * per_partition < max_blocks, (max_blocks, k)  # no empty partition
+            assert per_partition - -(-max_blocks // k) < compute_block, (max_blocks, k)
+        for k in set(candidates) - set(kept):  # left out only for an empty partition
+            assert (k - 1) * bench.pallas_pages_per_partition(max_blocks, k) >= max_blocks
+    if candidates == bench.PALLAS_K_SPLITS:  # the GPU tries every default at the full grid
+        for p in bench.make_points(False, 0):
+            assert bench.pallas_k_splits(int(p["pages"].max())) == list(candidates), p["name"]
+
+
+def _lower_for_cuda(fn, *shapes):
+    """StableHLO of fn for a CUDA GPU, lowered on this (CPU) machine: Pallas's asserts and its
+    Triton lowering (the kernel's Triton IR) run; XLA's GPU compiler does not."""
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _pallas_shapes(bench, point):
+    """Abstract inputs of one Pallas call at a grid point (nothing allocated)."""
+    S = jax.ShapeDtypeStruct
+    pages = S((bench.NUM_KV_HEADS, int(point["pages"].sum()), bench.BLOCK_SIZE,
+               bench.HEAD_SIZE), jnp.bfloat16)
+    return (S((point["batch"], bench.NUM_Q_HEADS, bench.HEAD_SIZE), jnp.bfloat16),
+            S((point["batch"], int(point["pages"].max())), jnp.int32),
+            S((point["batch"],), jnp.int32), {"k_pages": pages, "v_pages": pages})
+
+
+def test_pallas_call_lowers_for_cuda_at_every_point(bench):
+    """The benchmark's Pallas call at every grid point (full and quick) and every k_splits it
+    tries there passes Pallas's checks and its Triton lowering, lowered for CUDA on the CPU: one
+    Triton kernel per call, one program per kv head, partition and sequence; a chain of calls
+    lowers too. Without the table's padding the ragged batch's odd width does not lower."""
+    for quick in (True, False):
+        for point in bench.make_points(quick, 0):
+            shapes = _pallas_shapes(bench, point)
+            for k in bench.pallas_k_splits(int(point["pages"].max())):
+                text = _lower_for_cuda(bench.pallas_attn(k), *shapes)
+                assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == 1, (point, k)
+                grid = re.search(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, "
+                                 r"grid_z = (\d+) : i32", text).groups()
+                # One program per (kv head, partition, sequence); Triton's launch grid may
+                # order them otherwise (a batch of 1 comes last).
+                assert math.prod(map(int, grid)) == bench.NUM_KV_HEADS * k * point["batch"]
+    point = next(p for p in bench.make_points(False, 0) if p["name"] == "ragged32")
+    q, table, lens, arrays = _pallas_shapes(bench, point)
+    assert table.shape[1] % bench.PALLAS_PAGES_PER_COMPUTE_BLOCK  # an odd width: needs padding
+    chain = bench.chain_program(bench.make_step(bench.pallas_attn(4)), 3)
+    qs, tables = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in (q, table))
+    assert "__gpu$xla.gpu.triton" in _lower_for_cuda(chain, q, qs, tables, lens, arrays)
+    from jax.experimental.pallas.ops.gpu import paged_attention as pallas_paged
+    with pytest.raises((AssertionError, ValueError)):  # pages_per_partition not whole blocks
+        _lower_for_cuda(functools.partial(pallas_paged.paged_attention, k_splits=1),
+                        q, arrays["k_pages"], arrays["v_pages"], table, lens)
+
+
+def _quick_inputs(bench, methods, name="ragged4"):
+    point = next(p for p in bench.make_points(True, 0) if p["name"] == name)
+    return point, bench.make_inputs(point, methods, 2, jax.random.key(3))
+
+
+def test_pallas_pages_hold_the_bf16_rows_values(bench):
+    """k_pages[h, p, t, d] == k_bf16[p, t, h, d], element by element, and the Pallas row's pages
+    do not depend on whether the bf16 row runs."""
+    _, both = _quick_inputs(bench, ["bf16", "pallas"])
+    _, alone = _quick_inputs(bench, ["pallas"])
+    assert "k_bf16" not in alone["arrays"]
+    for side in "kv":
+        pages = np.asarray(both["arrays"][f"{side}_pages"])
+        bf16 = np.asarray(both["arrays"][f"{side}_bf16"])
+        num_blocks, block_size, num_kv_heads, head_size = bf16.shape
+        assert pages.shape == (num_kv_heads, num_blocks, block_size, head_size)
+        assert pages.dtype == bf16.dtype == jnp.bfloat16
+        for h in range(num_kv_heads):
+            for p in range(num_blocks):
+                for t in range(block_size):
+                    assert (pages[h, p, t] == bf16[p, t, h]).all(), (side, h, p, t)
+        np.testing.assert_array_equal(np.asarray(alone["arrays"][f"{side}_pages"]), pages)
+
+
+def _first_outputs(bench, attn, inputs, lens=None):
+    q, table = inputs["qs"][0], inputs["tables"][0]
+    lens = inputs["lens"] if lens is None else lens
+    return np.asarray(jax.jit(attn)(q, table, lens, inputs["arrays"]).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("name", ["2x512", "ragged4"])
+def test_pallas_reads_what_the_bf16_row_reads(bench, name):
+    """The benchmark's Pallas call (q scaled, table padded) in Pallas's interpreter, at every
+    k_splits kept for the point, against the bf16 row over the same values, q and block table
+    (random page order; ragged lengths): within the benchmark's sanity tolerance; one token
+    left out of every sequence is not."""
+    point, inputs = _quick_inputs(bench, ["bf16", "pallas"], name)
+    ref = _first_outputs(bench, bench.bf16_attn, inputs)
+    k_splits = bench.pallas_k_splits(int(point["pages"].max()))
+    assert len(k_splits) >= 3
+    for k in k_splits:
+        out = _first_outputs(bench, bench.pallas_attn(k, interpret=True), inputs)
+        assert bench._rel_err(out, ref) < bench.PALLAS_SANITY_TOLERANCE, k  # measured < 4.1e-3
+    short = _first_outputs(bench, bench.pallas_attn(1, interpret=True), inputs,
+                           inputs["lens"] - 1)
+    assert bench._rel_err(short, ref) > bench.PALLAS_SANITY_TOLERANCE  # measured >= 3.2e-2
+
+
+def test_pallas_row_on_a_gpu_picks_the_fastest_k_splits(bench, monkeypatch):
+    """run_point's GPU path of the Pallas row, on the CPU: the platform check says GPU and the
+    call runs in Pallas's interpreter. Each k_splits is started and timed briefly, the fastest
+    one is the row (its k_splits in the label and the row), timed in two rounds, and the sanity
+    check compares it with the bf16 row."""
+    monkeypatch.setattr(bench.store_bench, "on_gpu", lambda: True)
+    monkeypatch.setattr(bench, "pallas_attn", functools.partial(bench.pallas_attn,
+                                                                interpret=True))
+    point = next(p for p in bench.make_points(True, 0) if p["name"] == "ragged4")
+    args = argparse.Namespace(only=["bf16", "pallas"], pallas_k_splits=[1, 4, 64], repeats=1,
+                              target_seconds=0.0, max_chain=3, min_chain=3, max_chain_jnp=16,
+                              max_chain_dense=64)
+    lines = []
+    rows, skipped = bench.run_point(point, args, 1e9, 1 << 40, jax.random.key(0), lines.append)
+    assert skipped == []
+    (row,) = [r for r in rows if r["method"] == "pallas"]
+    tried = {bench.pallas_label(k) for k in (1, 4)}  # 64 leaves partitions empty: not tried
+    assert set(row["variants_us"]) == tried
+    assert row["label"] == bench.pallas_label(row["k_splits"]) and row["label"] in tried
+    assert row["variants_us"][row["label"]] == min(row["variants_us"].values())
+    assert len(row["chain_lengths"]) == 3 and row["us_per_call"] >= 0
+    assert row["bytes"] == point["bf16_bytes"]
+    bench.add_speedups(rows)
+    (bf16,) = [r for r in rows if r["method"] == "bf16"]
+    if row["us_per_call"] > 0 and bf16["us_per_call"] > 0:  # a CPU's jitter can give 0
+        assert row["vs_bf16"] == bf16["us_per_call"] / row["us_per_call"]
+    log = "\n".join(lines)
+    assert f"(brief): keeping {row['label']}" in log
+    (err,) = re.findall(r"sanity: \|pallas - bf16\| / \|bf16\| = (\S+)", log)
+    assert float(err) < bench.PALLAS_SANITY_TOLERANCE and "WARNING" not in log
