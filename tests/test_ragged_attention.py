@@ -292,18 +292,21 @@ def test_impl_kernel_refuses_on_the_cpu():
         _cpu(case.run, case.query(8, jnp.float32), impl="kernel")
 
 
-def test_cpu_vmap_over_stacked_layers_and_over_q():
+@pytest.mark.parametrize("max_q_len", [None, 11], ids=["no-bound", "bound-11"])
+def test_cpu_vmap_over_stacked_layers_and_over_q(max_q_len):
     """vmap over a stacked cache (one primitive) and over q with one shared cache (a loop):
-    each member equals its own call."""
+    each member equals its own call (with a bound too: its NaN rows go through both)."""
     case = shared_case(3, MIXED, head_size=64)
     qs = jnp.stack([case.query(8, jnp.float32, seed=s) for s in (1, 2)])
     args = case.args(qs[0])
     caches = jnp.stack([case.cache, case.cache])
-    f = lambda q, c: nv.ragged_paged_attention(q, c, *args[2:], **case.options)  # noqa: E731
+    f = lambda q, c: nv.ragged_paged_attention(q, c, *args[2:], **case.options,  # noqa: E731
+                                               max_q_len=max_q_len)
     stacked = _cpu(jax.jit(jax.vmap(f)), qs, caches)
     shared = _cpu(jax.jit(jax.vmap(f, in_axes=(0, None))), qs, case.cache)
     for i in range(2):
         one = _cpu(jax.jit(f), qs[i], case.cache)
+        assert np.isnan(np.asarray(one)).any() == (max_q_len is not None)
         np.testing.assert_array_equal(np.asarray(stacked[i]), np.asarray(one))
         np.testing.assert_array_equal(np.asarray(shared[i]), np.asarray(one))
 
