@@ -143,31 +143,35 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
 // (`<= 0.25 -> 0, < 0.75 -> 1, <= 1.25 -> 2, ... <= 5 -> 6, else 7`; NaN -> 7), in a few
 // branch-free operations (the ladder itself, e2m1_magnitude_code_ladder, is what tests compare
 // this with, on every float):
-//   a = min(|y|, 6)                    (NaN -> 6: code 7)
-//   k = 0, 1, 2 for a < 2, [2, 4), [4, 6]: the e2m1 grid step there is 0.5, 1, 2
-//   code = RNE(a * 2^(1-k)) + 2k       (0.5-steps count 0..4, then 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7)
-// RNE(z) for 0 <= z <= 4 is the low bits of z + 2^23, computed as one correctly rounded
-// operation: z = a * 2^(1-k) is exact, so mul-then-add here equals the device's fused multiply-add.
+//   a = min(|y|, 6)                               (NaN -> 6: code 7)
+//   code = min(RNE(2a), RNE(a) + 2, RNE(a/2) + 4)
+// The three are the codes of the e2m1 grid's three steps (0.5 below 2, 1 in [2, 4), 2 in
+// [4, 6]), each counting from where its step starts; the minimum is the one of a's range
+// (2a <= a + 2 exactly when a <= 2, a + 2 <= a/2 + 4 exactly when a <= 4, and RNE is
+// monotonic). Each RNE(z) + c is the low bits of z + (2^23 + c) in one correctly rounded
+// operation: z = a * 2^(1-k) is exact, so mul-then-add here equals the device's fused
+// multiply-add; the three sums share the exponent of 2^23, so their minimum as floats is that
+// of their low bits. 3 FFMA + 2 FMNMX a value (v4's one FFMA needed the exponent of max(a, 1)
+// and two constants built from it).
 NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
+  constexpr float kMagic = 8388608.0f;  // 2^23: the ulp of [2^23, 2^24) is 1
 #if defined(__CUDA_ARCH__)
   // fminf(|y|, 6) is one instruction with the |.| folded in, and returns 6 for NaN.
   const float a = fminf(fabsf(y), 6.0f);
-  const uint32_t e = float_bits(fmaxf(a, 1.0f)) >> 23;
+  const float fine = __fmaf_rn(a, 2.0f, kMagic);
+  const float unit = __fadd_rn(a, kMagic + 2.0f);
+  const float coarse = __fmaf_rn(a, 0.5f, kMagic + 4.0f);
+  return float_bits(fminf(fminf(fine, unit), coarse)) & 7u;
 #else
   // min(|y|, 6) on the bits: non-negative floats order as integers, and NaN (above +Inf) -> 6.
   const uint32_t u = float_bits(y) & 0x7FFFFFFFu;
   const float a = bits_float(u < 0x40C00000u ? u : 0x40C00000u);
-  const uint32_t e = (float_bits(a) >> 23) > 127u ? (float_bits(a) >> 23) : 127u;
+  const uint32_t fine = float_bits(add_rn(mul_rn(a, 2.0f), kMagic));
+  const uint32_t unit = float_bits(add_rn(a, kMagic + 2.0f));
+  const uint32_t coarse = float_bits(add_rn(mul_rn(a, 0.5f), kMagic + 4.0f));
+  const uint32_t low = fine < unit ? fine : unit;
+  return (low < coarse ? low : coarse) & 7u;
 #endif
-  // e = 127 + k: the biased exponent of max(a, 1).
-  const float step_inverse = bits_float((255u << 23) - (e << 23));  // 2^(1-k)
-  const float magic = bits_float(0x4B000000u - 2u * 127u + 2u * e);  // 2^23 + 2k
-#if defined(__CUDA_ARCH__)
-  const float rounded = __fmaf_rn(a, step_inverse, magic);
-#else
-  const float rounded = add_rn(mul_rn(a, step_inverse), magic);
-#endif
-  return float_bits(rounded) & 7u;
 }
 
 NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
