@@ -118,25 +118,13 @@ NVFP4_HD float f16_bits_to_float(uint16_t h) {
 // ---------------------------------------------------------------------------------------
 // E2M1 (docs/format.md §1, §2 step 6).
 NVFP4_HD float e2m1_magnitude(uint8_t code) {
-#if !defined(__CUDA_ARCH__)
-  // The table as arithmetic, which the host's compiler vectorises: m / 2 for codes 0..3,
-  // m - 2 for 4..6, and 6 (every value is exact).
+  // The table as arithmetic (every value exact): m / 2 for codes 0..3, m - 2 for 4..6, and 6.
+  // Branch-free on both sides: the host's compiler vectorises it, and on the device a switch
+  // compiled to a divergent branch tree in 4over6's error loop.
   const uint32_t m = code & 7u;
   const float f = float(m);
   const float half = mul_rn(f, 0.5f), less_two = sub_rn(f, 2.0f);
   return m < 4u ? half : (m == 7u ? 6.0f : less_two);
-#else
-  switch (code & 7u) {
-    case 0: return 0.0f;
-    case 1: return 0.5f;
-    case 2: return 1.0f;
-    case 3: return 1.5f;
-    case 4: return 2.0f;
-    case 5: return 3.0f;
-    case 6: return 4.0f;
-    default: return 6.0f;
-  }
-#endif
 }
 
 // Magnitude code of |y| with the rounding of the comparison ladder of docs/format.md §2 step 6
@@ -286,9 +274,18 @@ NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominat
   return {byte, out_scale};
 }
 
-// Reconstruction error of docs/format.md §3: pairwise in element order, each operation
-// rounded alone.
-NVFP4_HD float block_error(const float* x, float out_scale) {
+// The block's 16 codes at out_scale, packed as stored: two little-endian words, element 2k in
+// the low nibble of byte k (docs/format.md §2 step 7). Packed, two candidates' codes take 4
+// registers, not 32 (4over6 spilled with byte arrays).
+NVFP4_HD void block_codes(const float* x, float out_scale, uint32_t (&packed)[2]) {
+  packed[0] = packed[1] = 0u;
+  for (int i = 0; i < kBlockElems; ++i)
+    packed[i / 8] |= uint32_t(e2m1_code(x[i], out_scale)) << (4 * (i % 8));
+}
+
+// Reconstruction error of docs/format.md §3 of the block stored as `packed` (block_codes) with
+// out_scale: pairwise in element order, each operation rounded alone.
+NVFP4_HD float block_error(const float* x, const uint32_t (&packed)[2], float out_scale) {
   float err = 0.0f;
   if (out_scale == 0.0f) {
     for (int j = 0; j < kBlockElems; j += 2)
@@ -298,7 +295,7 @@ NVFP4_HD float block_error(const float* x, float out_scale) {
   const float deq = div_rn(1.0f, out_scale);
   float d[kBlockElems];
   for (int i = 0; i < kBlockElems; ++i) {
-    const uint8_t code = e2m1_code(x[i], out_scale);
+    const uint8_t code = uint8_t((packed[i / 8] >> (4 * (i % 8))) & 15u);
     const float q = (code & 8u) ? -e2m1_magnitude(code) : e2m1_magnitude(code);
     d[i] = sub_rn(mul_rn(q, deq), x[i]);
   }
@@ -314,28 +311,35 @@ struct QuantizedBlock {
   uint32_t packed[2];
 };
 
-// The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3).
-NVFP4_HD BlockScale chosen_block_scale(const float* x, StoreFactor f, ScaleSearch search) {
+// The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3) and
+// its codes: with 4over6 each candidate's codes are computed once, for its error and, if
+// chosen, the output.
+NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch search,
+                                 uint32_t (&code)[2]) {
   const float amax = block_amax(x);
   BlockScale chosen = block_scale(amax, f, kRecip6);
+  block_codes(x, chosen.out_scale, code);
   if (search == ScaleSearch::k4Over6) {
     const BlockScale four = block_scale(amax, f, kRecip4);
-    if (block_error(x, four.out_scale) < block_error(x, chosen.out_scale)) chosen = four;
+    uint32_t four_code[2];
+    block_codes(x, four.out_scale, four_code);
+    if (block_error(x, four_code, four.out_scale) < block_error(x, code, chosen.out_scale)) {
+      chosen = four;
+      code[0] = four_code[0], code[1] = four_code[1];
+    }
   }
   return chosen;
 }
 
 NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
-  const BlockScale chosen = chosen_block_scale(x, f, search);
-  QuantizedBlock q{chosen.byte, {0u, 0u}};
-  for (int i = 0; i < kBlockElems; ++i)
-    q.packed[i / 8] |= uint32_t(e2m1_code(x[i], chosen.out_scale)) << (4 * (i % 8));
-  return q;
+  uint32_t code[2];
+  const BlockScale chosen = chosen_block(x, f, search, code);
+  return {chosen.byte, {code[0], code[1]}};
 }
 
 #if !defined(__CUDACC__)
-// The same for n <= kMaxBatchBlocks consecutive blocks x[0 .. 16n) at once, on the host: the
-// steps of quantize_block as loops over blocks and over elements, which the compiler
+// The same for n <= kMaxBatchBlocks consecutive blocks x[0 .. 16n) at once, on the host:
+// quantize_block's steps as loops over blocks and over elements, which the compiler
 // vectorises (the CPU kernel's path); each block gets quantize_block's bytes. Writes the n
 // scale bytes and the 8n packed bytes (docs/format.md §2 step 7: value 2k in the low nibble).
 constexpr int kMaxBatchBlocks = 16;
@@ -343,18 +347,12 @@ constexpr int kMaxBatchBlocks = 16;
 template <ScaleSearch kSearch>
 inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scales,
                             uint8_t* packed) {
-  float out_scale[kMaxBatchBlocks];
-  for (int b = 0; b < n; ++b) {
-    const BlockScale chosen = chosen_block_scale(x + b * kBlockElems, f, kSearch);
-    scales[b] = chosen.byte;
-    out_scale[b] = chosen.out_scale;
-  }
-  for (int b = 0; b < n; ++b) {
-    uint8_t code[kBlockElems];
-    for (int i = 0; i < kBlockElems; ++i) code[i] = e2m1_code(x[b * kBlockElems + i], out_scale[b]);
+  uint32_t code[kMaxBatchBlocks][2];
+  for (int b = 0; b < n; ++b)
+    scales[b] = chosen_block(x + b * kBlockElems, f, kSearch, code[b]).byte;
+  for (int b = 0; b < n; ++b)
     for (int k = 0; k < kBlockBytes; ++k)
-      packed[b * kBlockBytes + k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));
-  }
+      packed[b * kBlockBytes + k] = uint8_t(code[b][k / 4] >> (8 * (k % 4)));
 }
 #endif
 
