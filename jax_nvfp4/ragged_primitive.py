@@ -92,7 +92,8 @@ def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_sc
          *, layout, v_scale_swizzle, impl, max_q_len=None):
     """One (validated) call in the form users have: q ``[num_tokens, Hq, D]``, one layer's
     cache, block_tables ``[S, M]``, seq_lens ``[S]``, cu_q_lens ``[S + 1]``, scalar num_seqs
-    and scales; ``max_q_len`` None or the caller's int bound on each sequence's query tokens.
+    and scales; ``max_q_len`` None or the caller's bound on each sequence's query tokens (a
+    Python int: attention.py validates and converts it).
     Returns ``(out, lse)``."""
     lead = lambda x: jnp.reshape(x, (1,) + tuple(x.shape))  # noqa: E731
     ints = (checks.to_int32(x) for x in (block_tables, seq_lens, cu_q_lens))
@@ -100,8 +101,7 @@ def bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_sc
         lead(q), lead(kv_cache), *(lead(x) for x in ints),
         jnp.reshape(checks.to_int32(num_seqs), (1,)),
         *(jnp.reshape(jnp.asarray(s, jnp.float32), (1,)) for s in (k_scale, v_scale, sm_scale)),
-        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl,
-        max_q_len=None if max_q_len is None else int(max_q_len))
+        layout=layout, v_scale_swizzle=bool(v_scale_swizzle), impl=impl, max_q_len=max_q_len)
     return out[0], lse[0]
 
 

@@ -22,7 +22,7 @@ TIME_LIMIT_S = 300  # a hang fails; the run itself takes about 25 s
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("benchmarks/outlier_bench.py", "outlier_bench")
+    return load_script(BENCH_PATH, "outlier_bench")
 
 
 def test_outlier_bench_quick(tmp_path):

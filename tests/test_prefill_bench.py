@@ -22,7 +22,7 @@ QUICK_POINTS = ("chunked1x32", "chunked2x16", "prefix2x16", "spec2x4", "spec2x8"
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("benchmarks/prefill_bench.py", "prefill_bench")
+    return load_script(BENCH_PATH, "prefill_bench")
 
 
 def _run_quick(out_dir):

@@ -24,7 +24,7 @@ TIME_LIMIT_S = 240  # a hang fails; the run itself takes about 25 s
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_script("benchmarks/serving_bench.py", "serving_bench")
+    return load_script(BENCH_PATH, "serving_bench")
 
 
 def test_serving_bench_quick(tmp_path):
