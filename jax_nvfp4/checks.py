@@ -140,8 +140,8 @@ IMPLS = ("auto", "kernel", "jnp")
 def check_options(**options):
     """The one validation of keyword options, for every public function: layout and
     scale_search among their values, v_scale_swizzle / checked / return_lse bools, dtype a
-    floating-point dtype, impl among :data:`IMPLS`, max_q_len None or an int >= 1. Raises ``ValueError`` (unknown value) or
-    ``TypeError`` (wrong type) naming the option."""
+    floating-point dtype, impl among :data:`IMPLS`, max_q_len None or an int >= 1. Raises
+    ``ValueError`` (unknown value) or ``TypeError`` (wrong type) naming the option."""
     for name, value in options.items():
         if name == "layout":
             _layout.check_layout(value)
