@@ -211,18 +211,21 @@ __device__ __forceinline__ int q_exponent(float amax) {
 }
 
 // ------------------------------------------------------------------------------------------
-// Split-KV: the partial results of `count` splits of one query row (log2-unit lse per split,
-// -inf for a split with nothing in it; the split's output normalised by its own sum), combined
-// with weights 2^(lse_s - max). Returns the combined value of dimension d (0 where every
-// split is empty, NaN where any split's lse is NaN: a NaN score, as the jnp path gives) and sets
-// *lse2 to the combined log2 lse (-inf, NaN then).
-__device__ __forceinline__ float merge_splits(const float* lse, const float* partial,
-                                              int64_t stride, int count, int d, float* lse2) {
+// Split-KV: the partial results of `count` splits of one query row (lse(s): the log2-unit lse of
+// split s, -inf for a split with nothing in it; partial(s): the split's output normalised by
+// its own sum), combined with weights 2^(lse_s - max). Returns the combined value (0 where
+// every split is empty, NaN where any split's lse is NaN: a NaN score, as the jnp path gives)
+// and sets *lse2 to the combined log2 lse (-inf, NaN then). The merge kernels read the
+// splits from global memory, the decode kernel's cluster merge from its peers' shared memory.
+template <typename Lse, typename Partial>
+__device__ __forceinline__ float merge_splits(int count, Lse&& lse, Partial&& partial,
+                                              float* lse2) {
   float top = -INFINITY;
   bool nan = false;
   for (int s = 0; s < count; ++s) {
-    top = fmaxf(top, lse[s]);  // fmaxf passes NaN over: counted apart
-    nan |= isnan(lse[s]);
+    const float x = lse(s);
+    top = fmaxf(top, x);  // fmaxf passes NaN over: counted apart
+    nan |= isnan(x);
   }
   if (nan || top == -INFINITY) {
     *lse2 = nan ? NAN : -INFINITY;
@@ -230,13 +233,34 @@ __device__ __forceinline__ float merge_splits(const float* lse, const float* par
   }
   float sum = 0.f, acc = 0.f;
   for (int s = 0; s < count; ++s) {
-    if (lse[s] == -INFINITY) continue;  // an empty split: its partial output was not written
-    const float weight = exp2_approx(lse[s] - top);
+    const float x = lse(s);
+    if (x == -INFINITY) continue;  // an empty split: its partial output was not written
+    const float weight = exp2_approx(x - top);
     sum += weight;
-    acc += weight * partial[s * stride + d];
+    acc += weight * partial(s);
   }
   *lse2 = top + __log2f(sum);
   return acc / sum;
+}
+
+// merge_splits over the split-KV workspace of one row: lse [count], partial [count][stride],
+// dimension d.
+__device__ __forceinline__ float merge_workspace_splits(const float* lse, const float* partial,
+                                                        int64_t stride, int count, int d,
+                                                        float* lse2) {
+  return merge_splits(
+      count, [&](int s) { return lse[s]; }, [&](int s) { return partial[s * stride + d]; },
+      lse2);
+}
+
+// Rows of out and lse that get the readers' rule for an invalid global scale, or the zeros of
+// an empty sequence: `rows` rows of kHead values from first_row, by the CTA's threads.
+template <int kHead>
+__device__ __forceinline__ void fill_rows(void* out, QType type, float* lse, int64_t first_row,
+                                          int rows, float value, float lse_value) {
+  for (int i = threadIdx.x; i < rows * kHead; i += blockDim.x)
+    store_out(out, type, first_row * kHead + i, value);
+  for (int i = threadIdx.x; i < rows; i += blockDim.x) lse[first_row + i] = lse_value;
 }
 
 // Sequence b's query tokens [*start, *next) of a ragged call (every lane of the warp gets

@@ -23,6 +23,9 @@ NB_MODULE(_ffi, m) {
   m.attr("STORE_TARGET") = nvfp4::kStoreTarget;
   m.attr("DECODE_TARGET") = nvfp4::kDecodeTarget;
   m.attr("RAGGED_TARGET") = nvfp4::kRaggedTarget;
+  // The valid range of a global scale (jax_nvfp4.layout.MIN_SCALE, MAX_SCALE; a test compares).
+  m.attr("MIN_SCALE") = nvfp4::kMinScale;
+  m.attr("MAX_SCALE") = nvfp4::kMaxScale;
   m.def("registrations", []() {
     nb::dict platforms;
     platforms["cpu"] = EncapsulateFfiHandler(NvFp4StoreCpu);
@@ -62,6 +65,9 @@ NB_MODULE(_ffi, m) {
         "The self-check above on the current GPU (-1 if CUDA failed).");
   m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
+  m.def("decode_cluster_merge_splits", &nvfp4::DecodeClusterMergeSplits,
+        "Most splits the decode kernel for a head size merges in one thread-block cluster on "
+        "the current GPU (0: none, the merge kernel merges them).");
   m.def("ragged_resident_ctas_per_sm", &nvfp4::RaggedResidentCtasPerSm,
         "CTAs of the ragged-attention kernel for a head size resident on one SM of the current GPU.");
   m.def("few_rows_resident_ctas_per_sm", &nvfp4::FewRowsResidentCtasPerSm,

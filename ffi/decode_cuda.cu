@@ -23,8 +23,11 @@
 // V); q is rounded to fp16 after a power-of-two scale 2^e per head that puts its largest
 // element in [2^14, 2^15); scores are S_acc * k_scale * sm_scale * 2^(7-e), in log2 units for
 // exp2. P is rounded to fp16 for the second MMA; every sum is float32.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 
@@ -37,6 +40,8 @@
 
 namespace nvfp4 {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = kChunkWarps * 32;
 // CTAs per SM for head sizes 64 and 128 (measured on an H200, 2026-11-30: 3 CTAs, 168
@@ -81,6 +86,34 @@ struct Grid {
   FastDivmod head_tiles, num_kv_heads, batch, block_size;
 };
 
+// Cluster merge (p.cluster_merge): the CTAs of one cluster are the splits of one (member,
+// sequence, kv head, head tile), its rank the split. Each has left its partial result in
+// shared memory (split_out [row][dim], normalised by its own sum; split_lse [row], log2, -inf
+// for an empty split); the CTAs of the cluster then share the rows' values, each merging every
+// split's partial of its values from its peers' shared memory.
+template <int kHead>
+__device__ __forceinline__ void merge_cluster_splits(const DecodeProblem& p, const float* split_out,
+                                                     const float* split_lse, int rows,
+                                                     int64_t first_row, float out_scale) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // no clusters before sm_90: the handler never asks for them there
+#else
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every split's partial result is in its CTA's shared memory
+  const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+  for (int i = rank * kThreads + threadIdx.x; i < rows * kHead; i += splits * kThreads) {
+    const int row = i / kHead, d = i % kHead;
+    float lse2;
+    const float value = merge_splits(
+        splits, [&](int s) { return *cluster.map_shared_rank(split_lse + row, s); },
+        [&](int s) { return *cluster.map_shared_rank(split_out + i, s); }, &lse2);
+    store_out(p.out, p.q_type, (first_row + row) * kHead + d, value * out_scale);
+    if (d == 0) p.lse[first_row + row] = lse2 * kLn2;
+  }
+  cluster.sync();  // no CTA leaves while a peer still reads its shared memory
+#endif
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     DecodeKernel(const DecodeProblem p, const Grid grid) {
@@ -109,61 +142,82 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
   const int64_t first_q_row = out_seq_row * p.num_q_heads + first_head;
   const int64_t first_split_row = (int64_t(member) * p.batch + b) * p.num_q_heads + first_head;
 
-  if (begin >= end) {
+  const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  if (!scale_is_valid(k_scale) || !scale_is_valid(v_scale)) {
+    // The readers' rule for an invalid global scale: every output and lse NaN, empty
+    // sequences' included (uniform over a cluster: one member's scales). With the merge kernel
+    // it writes them.
+    if (p.num_splits == 1 || (p.cluster_merge && split == 0))
+      fill_rows<kHead>(p.out, p.q_type, p.lse, first_q_row, heads_here, NAN, NAN);
+    return;
+  }
+  const bool empty = begin >= end;
+  if (empty && !p.cluster_merge) {
     // No position here. With one split this is a sequence of length 0: zeros, lse -inf.
     // With several, the merge kernel skips the splits past the sequence's length.
-    if (p.num_splits == 1) {
-      for (int i = threadIdx.x; i < heads_here * kHead; i += kThreads)
-        store_out(p.out, p.q_type, first_q_row * kHead + i, 0.f);
-      if (threadIdx.x < heads_here) p.lse[first_q_row + threadIdx.x] = -INFINITY;
-    }
+    if (p.num_splits == 1)
+      fill_rows<kHead>(p.out, p.q_type, p.lse, first_q_row, heads_here, 0.f, -INFINITY);
     return;
   }
 
-  // q of this lane's head (column g) as the B fragments of S^T = K Q^T.
-  RegisterQ<kHead, 1> qf;
-  float score_scale[1][2];
-  q_fragments<kHead>(p.q, p.q_type, (first_q_row + g) * kHead, g < heads_here,
-                     p.k_scale[p.k_scale_stacked ? member : 0] *
-                         p.sm_scale[p.sm_scale_stacked ? member : 0],
-                     lane, qf.f[0], score_scale[0]);
+  // The cluster merge's partial results (unused otherwise).
+  __shared__ float split_out[kHeadsPerCta * kHead];
+  __shared__ float split_lse[kHeadsPerCta];
+  const float out_scale = v_scale * 128.f;
+  if (empty) {
+    if (threadIdx.x < heads_here) split_lse[threadIdx.x] = -INFINITY;
+  } else {
+    // q of this lane's head (column g) as the B fragments of S^T = K Q^T.
+    RegisterQ<kHead, 1> qf;
+    float score_scale[1][2];
+    q_fragments<kHead>(p.q, p.q_type, (first_q_row + g) * kHead, g < heads_here,
+                       k_scale * p.sm_scale[p.sm_scale_stacked ? member : 0], lane, qf.f[0],
+                       score_scale[0]);
 
-  const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
-  const int32_t side_bytes = int32_t(p.page.side_bytes());
-  PageView<kLayout> pv;
-  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
-  pv.table = p.block_tables + (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
-             int64_t(b) * p.max_blocks;
-  pv.page_bytes = 2 * int64_t(side_bytes);
-  pv.side_bytes = side_bytes;
-  pv.side_data = int32_t(p.page.side_data_bytes());
-  pv.head_row = kLayout == Layout::kHND ? int32_t(kv_head) * block_size : int32_t(kv_head);
-  pv.num_kv_heads = num_kv_heads;
-  pv.last_page = p.num_blocks - 1;
-  pv.block_size = grid.block_size;
-  pv.tile_in_page = block_size % 16 == 0;
+    const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
+    const int32_t side_bytes = int32_t(p.page.side_bytes());
+    PageView<kLayout> pv;
+    pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+    pv.table = p.block_tables +
+               (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
+               int64_t(b) * p.max_blocks;
+    pv.page_bytes = 2 * int64_t(side_bytes);
+    pv.side_bytes = side_bytes;
+    pv.side_data = int32_t(p.page.side_data_bytes());
+    pv.head_row = kLayout == Layout::kHND ? int32_t(kv_head) * block_size : int32_t(kv_head);
+    pv.num_kv_heads = num_kv_heads;
+    pv.last_page = p.num_blocks - 1;
+    pv.block_size = grid.block_size;
+    pv.tile_in_page = block_size % 16 == 0;
 
-  // Every head sees the split's positions [begin, end).
-  WarpState<kHead, 1> st;
-  init_state(st);
-  const uint32_t limit[1][2] = {{uint32_t(end), uint32_t(end)}};
-  attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end), uint32_t(end),
-                                             limit, qf, score_scale, warp, lane, st);
+    // Every head sees the split's positions [begin, end).
+    WarpState<kHead, 1> st;
+    init_state(st);
+    const uint32_t limit[1][2] = {{uint32_t(end), uint32_t(end)}};
+    attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end),
+                                               uint32_t(end), limit, qf, score_scale, warp,
+                                               lane, st);
 
-  __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
-  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
-  merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,
-                        [&](int h, int d, float value, float lse2) {
-                          if (p.num_splits == 1) {
-                            const int64_t row = first_q_row + h;
-                            store_out(p.out, p.q_type, row * kHead + d, value * out_scale);
-                            if (d == 0) p.lse[row] = lse2 * kLn2;
-                          } else {
-                            const int64_t row = first_split_row + h;
-                            p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
-                            if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
-                          }
-                        });
+    __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
+    merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,
+                          [&](int h, int d, float value, float lse2) {
+                            if (p.cluster_merge) {
+                              split_out[h * kHead + d] = value;
+                              if (d == 0) split_lse[h] = lse2;
+                            } else if (p.num_splits == 1) {
+                              const int64_t row = first_q_row + h;
+                              store_out(p.out, p.q_type, row * kHead + d, value * out_scale);
+                              if (d == 0) p.lse[row] = lse2 * kLn2;
+                            } else {
+                              const int64_t row = first_split_row + h;
+                              p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+                              if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+                            }
+                          });
+  }
+  if (p.cluster_merge)
+    merge_cluster_splits<kHead>(p, split_out, split_lse, heads_here, first_q_row, out_scale);
 }
 
 // Combines the splits of each (member, sequence, query head): weights 2^(lse_s - max).
@@ -175,6 +229,12 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
   const int64_t out_seq_row = sequence_out_row(p, member, b, threadIdx.x & 31);
   if (out_seq_row < 0) return;  // ragged mode: the ragged kernel's sequence
   const int64_t out_row = out_seq_row * p.num_q_heads + row % p.num_q_heads;
+  const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  if (!scale_is_valid(k_scale) || !scale_is_valid(v_scale)) {
+    fill_rows<kHead>(p.out, p.q_type, p.lse, out_row, 1, NAN, NAN);  // as in DecodeKernel
+    return;
+  }
   const int32_t max_tokens = p.max_blocks * int32_t(p.page.block_size);
   const int32_t seq_len =
       min(max(p.seq_lens[(p.lens_stacked ? member * p.batch : 0) + b], 0), max_tokens);
@@ -186,10 +246,9 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
     return;
   }
   float lse2;
-  const float value = merge_splits(p.partial_lse + row * p.num_splits,
-                                   p.partial_out + row * p.num_splits * kHead, kHead, active, d,
-                                   &lse2);
-  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  const float value = merge_workspace_splits(p.partial_lse + row * p.num_splits,
+                                             p.partial_out + row * p.num_splits * kHead, kHead,
+                                             active, d, &lse2);
   store_out(p.out, p.q_type, out_row * kHead + d, value * (v_scale * 128.f));
   if (d == 0) p.lse[out_row] = lse2 * kLn2;
 }
@@ -204,14 +263,49 @@ int64_t CtasPerSplit(const DecodeProblem& p) {
   return int64_t(p.stacked) * p.batch * p.page.num_kv_heads * HeadTiles(p);
 }
 
+// Clusters of more than 8 CTAs (the portable size) for this instance of the kernel, once per
+// device.
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t AllowLargeClusters() {
+  static std::atomic<uint64_t> allowed{0};  // a bit per device (devices 64+: every time)
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
+  if (bit && (allowed.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  error = cudaFuncSetAttribute(DecodeKernel<kHead, kSwizzle, kLayout>,
+                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (error == cudaSuccess) allowed.fetch_or(bit, std::memory_order_release);
+  return error;
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
   const int head_tiles = HeadTiles(p);
   const int64_t units = CtasPerSplit(p);
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                   FastDivmod(uint32_t(p.batch)), FastDivmod(uint32_t(p.page.block_size))};
-  DecodeKernel<kHead, kSwizzle, kLayout>
-      <<<dim3(uint32_t(units), uint32_t(p.num_splits)), kThreads, 0, stream>>>(p, grid);
+  const dim3 blocks(uint32_t(units), uint32_t(p.num_splits));
+  if (p.cluster_merge) {
+    // The splits of one unit as one cluster (grid.y = cluster.y = num_splits).
+    if (p.num_splits > 8) {
+      const cudaError_t allowed = AllowLargeClusters<kHead, kSwizzle, kLayout>();
+      if (allowed != cudaSuccess) return allowed;
+    }
+    cudaLaunchConfig_t config = {};
+    config.gridDim = blocks;
+    config.blockDim = dim3(kThreads);
+    config.stream = stream;
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = 1;
+    cluster.val.clusterDim.y = uint32_t(p.num_splits);
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, DecodeKernel<kHead, kSwizzle, kLayout>, p, grid);
+  }
+  DecodeKernel<kHead, kSwizzle, kLayout><<<blocks, kThreads, 0, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess || p.num_splits == 1) return error;
   MergeKernel<kHead><<<uint32_t(int64_t(p.stacked) * p.batch * p.num_q_heads), kHead, 0,
@@ -220,6 +314,35 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
 }
 
 
+// Most splits the decode kernel for this head size merges in one cluster on the current GPU:
+// the largest cluster of its CTAs the GPU can place, at most kMaxClusterSplits; 0 without
+// cluster launch (or if CUDA failed). Every instance of a head size has the same resources.
+template <int kHead>
+int ClusterMergeSplitsFor() {
+  int device = 0, clusters = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) != cudaSuccess ||
+      !clusters || AllowLargeClusters<kHead, true, Layout::kHND>() != cudaSuccess) {
+    cudaGetLastError();  // leave no error behind for the next launch's check
+    return 0;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, uint32_t(kMaxClusterSplits));
+  config.blockDim = dim3(kThreads);
+  int size = 0;
+  if (cudaOccupancyMaxPotentialClusterSize(&size, DecodeKernel<kHead, true, Layout::kHND>,
+                                           &config) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return size >= 2 ? std::min(size, int(kMaxClusterSplits)) : 0;
+}
+
+int ClusterMergeSplits(int64_t head_size) {
+  return WithHeadSize(head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); },
+                      0);
+}
+
 ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
@@ -227,12 +350,17 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
                       ffi::Result<ffi::Buffer<ffi::F32>> lse,
                       ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                       ffi::Result<ffi::Buffer<ffi::F32>> partial_lse, int32_t layout,
-                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split) {
+                      bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split,
+                      bool cluster_merge) {
   DecodeProblem p;
   ffi::Error error = MakeDecodeProblem(q, kv_cache, block_tables, seq_lens, k_scale, v_scale,
                                        sm_scale, out, lse, partial_out, partial_lse, layout,
-                                       v_scale_swizzle, num_splits, tokens_per_split, &p);
+                                       v_scale_swizzle, num_splits, tokens_per_split,
+                                       cluster_merge, &p);
   if (error.failure()) return error;
+  if (cluster_merge && num_splits > ClusterMergeSplits(p.page.head_size))
+    return DecodeArgumentError("cluster_merge with more splits than this GPU places in a "
+                               "cluster of the kernel");
   if (int64_t(p.stacked) * p.batch * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return DecodeArgumentError("kv_cache has no pages but block_tables has columns");
@@ -260,6 +388,8 @@ cudaError_t LaunchDecodeAttention(cudaStream_t stream, const DecodeProblem& p) {
       },
       cudaErrorInvalidValue);
 }
+
+int DecodeClusterMergeSplits(int head_size) { return ClusterMergeSplits(head_size); }
 
 int DecodeResidentCtasPerSm(int head_size) {
   return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },

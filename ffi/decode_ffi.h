@@ -8,7 +8,7 @@
 // block_tables [1 or L, B, M] and seq_lens [1 or L, B] int32; k_scale, v_scale, sm_scale float32
 // [1 or L]. Results: out [L, B, Hq, D] (q's dtype), lse [L, B, Hq] float32, and the split-KV
 // workspace partial_out [L, B, Hq, S, D], partial_lse [L, B, Hq, S] float32 (S = num_splits, or
-// 0 when num_splits == 1).
+// 0 when num_splits == 1 or the splits merge in a cluster).
 #pragma once
 
 #include <algorithm>
@@ -52,6 +52,10 @@ struct DecodeProblem {
   int32_t sm_scale_stacked;
   int32_t num_splits;
   int32_t tokens_per_split;
+  // 1: the splits of one (member, sequence, kv head, head tile) run as one thread-block
+  // cluster (num_splits <= kMaxClusterSplits CTAs) and merge through distributed shared memory,
+  // with no merge kernel and no workspace (then partial_out and partial_lse are empty).
+  int32_t cluster_merge;
   PageGeometry page;
   // Ragged mode, set by ragged_cuda.cu for the one-token sequences of a ragged call (batch =
   // max_num_seqs): q, out and lse rows are then tokens, [L, num_tokens, Hq]. A sequence b <
@@ -68,6 +72,10 @@ struct DecodeProblem {
 // Positions one CTA step of the decode kernel takes (4 warps x 32): a split is a multiple of it
 // (jax_nvfp4/attention_primitive.py, _TOKENS_PER_CTA_STEP).
 inline constexpr int64_t kDecodeSplitStep = 128;
+// Most splits one cluster merges: 16, the largest (non-portable) cluster size of sm_90, where
+// the GPU can place such a cluster of the kernel (decode_cuda.cu, ClusterMergeSplits; the plan
+// asks through _ffi.decode_cluster_merge_splits).
+inline constexpr int32_t kMaxClusterSplits = 16;
 
 inline ffi::Error DecodeArgumentError(const std::string& message) {
   return ArgumentError("paged_attention", message);
@@ -82,7 +90,8 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
                                     ffi::Result<ffi::Buffer<ffi::F32>> partial_out,
                                     ffi::Result<ffi::Buffer<ffi::F32>> partial_lse,
                                     int32_t layout, bool v_scale_swizzle, int32_t num_splits,
-                                    int32_t tokens_per_split, DecodeProblem* p) {
+                                    int32_t tokens_per_split, bool cluster_merge,
+                                    DecodeProblem* p) {
   const auto q_dims = q.dimensions();
   const auto cache_dims = kv_cache.dimensions();
   const auto table_dims = block_tables.dimensions();
@@ -106,7 +115,10 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
     return DecodeArgumentError(
         "num_splits x tokens_per_split (a multiple of 128) must cover the block table, every "
         "split starting inside it");
-  const int64_t partial = num_splits > 1 ? num_splits : 0;
+  if (cluster_merge && (num_splits < 2 || num_splits > kMaxClusterSplits))
+    return DecodeArgumentError("cluster_merge takes 2 to " + std::to_string(kMaxClusterSplits) +
+                               " splits");
+  const int64_t partial = num_splits > 1 && !cluster_merge ? num_splits : 0;
   if (lse->element_count() != size_t(stacked * batch * num_q_heads) ||
       partial_out->element_count() != size_t(stacked * batch * num_q_heads * partial * head_size) ||
       partial_lse->element_count() != size_t(stacked * batch * num_q_heads * partial))
@@ -139,6 +151,7 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
   p->sm_scale_stacked = sm_scale.element_count() > 1;
   p->num_splits = num_splits;
   p->tokens_per_split = tokens_per_split;
+  p->cluster_merge = cluster_merge;
   return ffi::Error::Success();
 }
 
@@ -165,7 +178,8 @@ auto BindDecode(Binding binding) {
       .template Attr<int32_t>("layout")
       .template Attr<bool>("v_scale_swizzle")
       .template Attr<int32_t>("num_splits")
-      .template Attr<int32_t>("tokens_per_split");
+      .template Attr<int32_t>("tokens_per_split")
+      .template Attr<bool>("cluster_merge");
 }
 
 }  // namespace nvfp4

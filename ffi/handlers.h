@@ -17,6 +17,10 @@ int64_t E2m1CodeMismatchesCuda();
 // CTAs of the decode kernel for this head size that fit on one SM of the current GPU (0 if
 // CUDA failed or the head size has no kernel).
 int DecodeResidentCtasPerSm(int head_size);
+// Most splits the decode kernel for this head size merges inside one thread-block cluster on
+// the current GPU (at most decode_ffi.h's kMaxClusterSplits; 0 without cluster launch, for a
+// head size with no kernel, or if CUDA failed).
+int DecodeClusterMergeSplits(int head_size);
 // Likewise for the ragged-attention kernel (its dynamic shared memory included).
 int RaggedResidentCtasPerSm(int head_size);
 // Likewise for ragged attention's few-row kernel (0 for head sizes it does not take).

@@ -38,6 +38,13 @@ constexpr float kE4M3Max = 448.0f;
 // The byte stored for a NaN block scale: positive e4m3fn NaN.
 constexpr uint8_t kE4M3NaN = 0x7F;
 
+// Valid global scales (k_scale, v_scale): float32 numbers in [kMinScale, kMaxScale], the range of
+// jax_nvfp4.layout.MIN_SCALE and MAX_SCALE (bindings.cc exports these two; a test compares
+// them). The readers' kernels make every output NaN when either scale is outside it.
+constexpr float kMinScale = 0x1p-126f;
+constexpr float kMaxScale = 0x1p116f;
+NVFP4_HD bool scale_is_valid(float s) { return s >= kMinScale && s <= kMaxScale; }
+
 enum class Layout : int32_t { kHND = 0, kNHD = 1 };
 enum class ScaleSearch : int32_t { kDefault = 0, k4Over6 = 1 };
 

@@ -766,7 +766,7 @@ __global__ void __launch_bounds__(kHead) RaggedMergeKernel(const RaggedProblem p
   const int32_t member = int32_t(row / (int64_t(p.num_tokens) * p.num_q_heads));
   const int d = threadIdx.x;
   float lse2;
-  const float value = merge_splits(p.partial_lse + row * p.num_splits,
+  const float value = merge_workspace_splits(p.partial_lse + row * p.num_splits,
                                    p.partial_out + row * p.num_splits * kHead, kHead,
                                    p.num_splits, d, &lse2);
   const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];

@@ -227,6 +227,7 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
   d.sm_scale_stacked = p.sm_scale_stacked;
   d.num_splits = p.decode_splits;
   d.tokens_per_split = p.decode_tokens_per_split;
+  d.cluster_merge = 0;  // its splits merge in the merge kernel (the ragged plan's workspace)
   d.page = p.page;
   d.cu_q_lens = p.cu_q_lens;
   d.num_seqs = p.num_seqs;

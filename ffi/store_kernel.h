@@ -38,10 +38,13 @@ struct StoreProblem {
     return (slot < 0 || slot >= num_blocks * page.block_size) ? -1 : slot;
   }
 
-  // g = 1/scale and 1/g (docs/format.md §2) for one layer's K (side 0) or V (side 1).
+  // g = 1/scale and 1/g (docs/format.md §2) for one layer's K (side 0) or V (side 1). A scale
+  // outside [kMinScale, kMaxScale] is NaN here (jax_nvfp4.checks.sanitize_scale, which the jnp
+  // reference applies): every value it stores reads back NaN.
   NVFP4_HD StoreFactor factor(int64_t layer, int side) const {
     const float* scale = side == 0 ? k_scale : v_scale;
-    return store_factor(scale[layer * scales_layer_stride]);
+    const float s = scale[layer * scales_layer_stride];
+    return store_factor(scale_is_valid(s) ? s : NAN);
   }
 
   // First input element of block b of (layer, token, head) of side 0 (K) or 1 (V).

@@ -103,7 +103,8 @@ def reshape_and_cache(key, value, kv_cache, slot_mapping, k_scale, v_scale, *, l
         slot_mapping = checks.require_checkify(slot_mapping, "reshape_and_cache")
         _check_slots(slot_mapping, geo.num_slots)
         _check_store_scales(key, value, k_scale, v_scale, scale_search)
-    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
+    # The kernels make an invalid scale NaN themselves (checks.sanitize_scale's rule): no XLA
+    # op runs before the store's launch.
     return store_p.bind(key, value, kv_cache, slot_mapping, k_scale, v_scale, layout=layout,
                         scale_search=scale_search, v_scale_swizzle=bool(v_scale_swizzle))
 

@@ -163,13 +163,6 @@ def _check_scales_and_pages(k_scale, v_scale, sm_scale, head_size, geo, block_ta
     return k_scale, v_scale, sm_scale
 
 
-def _nan_if_invalid(result, k_scale, v_scale):
-    """The readers' contract for an invalid global scale: every output (and lse) is NaN, on
-    every implementation."""
-    valid = checks.scale_is_valid(k_scale) & checks.scale_is_valid(v_scale)
-    return tuple(jnp.where(valid, x, jnp.asarray(jnp.nan, x.dtype)) for x in result)
-
-
 def _sm_scale(sm_scale, head_size):
     if sm_scale is None:
         return _reference.default_sm_scale(head_size)
@@ -272,9 +265,8 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
         block_tables = checks.require_checkify(block_tables, "paged_attention")
         check_reads(block_tables, seq_lens, geo.num_blocks, geo.block_size,
                     (("k_scale", k_scale), ("v_scale", v_scale)), "paged_attention")
-    raw_scales = k_scale, v_scale
-    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
-
+    # An invalid global scale makes every output NaN (checks.nan_if_invalid): the jnp path
+    # and the kernel apply the rule themselves, so no XLA op runs around the kernel's launch.
     if impl == "jnp":
         result = _reference.paged_attention(q, kv_cache, block_tables, seq_lens, k_scale,
                                             v_scale, layout=layout,
@@ -283,7 +275,6 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     else:
         result = _primitive.bind(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                                  layout=layout, v_scale_swizzle=v_scale_swizzle, impl=impl)
-    result = _nan_if_invalid(result, *raw_scales)
     return result if return_lse else result[0]
 
 
@@ -448,9 +439,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
                            geo.num_blocks, geo.block_size,
                            (("k_scale", k_scale), ("v_scale", v_scale)), "ragged_paged_attention",
                            max_q_len)
-    raw_scales = k_scale, v_scale
-    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
-
+    # The invalid-scale rule (checks.nan_if_invalid) is applied by the jnp path and after the
+    # ragged kernels' call (jax_nvfp4.ragged_primitive).
     if impl == "jnp":
         result = _reference.ragged_paged_attention(
             q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
@@ -460,7 +450,6 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
         result = _ragged.bind(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale,
                               v_scale, sm_scale, layout=layout, v_scale_swizzle=v_scale_swizzle,
                               impl=impl, max_q_len=max_q_len)
-    result = _nan_if_invalid(result, *raw_scales)
     return result if return_lse else result[0]
 
 

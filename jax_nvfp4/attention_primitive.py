@@ -57,6 +57,7 @@ _CTA_START_COST = 128           # a CTA's start (q, setup, merge of its warps), 
 _MERGE_COST = 256               # the merge kernel, in positions per wave of its blocks
 _MERGE_ROWS_PER_SM = 16         # merge blocks (one per row, 128 threads) an SM holds at once
 _DEFAULT_CTAS_PER_SM = 3        # when the GPU cannot be asked (ffi/decode_cuda.cu, kMinCtasPerSm)
+_CLUSTER_MERGE_COST = 32        # the merge inside a cluster (two cluster barriers), in positions
 
 if _ffi.built_with_cuda():
     jax.ffi.register_ffi_target(DECODE_TARGET, _ffi.decode_registrations()["CUDA"],
@@ -221,24 +222,40 @@ def _resident_ctas(head_size: int) -> int:
     return resident_ctas("decode_resident_ctas_per_sm", head_size, _DEFAULT_CTAS_PER_SM)
 
 
+def _cluster_merge_splits(head_size: int) -> int:
+    """Most splits the decode kernel merges inside one thread-block cluster on this GPU (0:
+    none, the merge kernel merges them; also where it cannot be asked: no CUDA build, no
+    GPU)."""
+    return resident_ctas("decode_cluster_merge_splits", head_size, 0)
+
+
+def decode_units(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int) -> int:
+    """The decode kernel's CTAs per split: one per (stacked member, sequence, kv head, group of
+    up to 8 query heads)."""
+    return stacked * batch * num_kv_heads * -(-(num_q_heads // num_kv_heads) // 8)
+
+
 def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
-                max_tokens: int, sm_count: int,
-                ctas_per_sm: int = _DEFAULT_CTAS_PER_SM) -> tuple[int, int]:
+                max_tokens: int, sm_count: int, ctas_per_sm: int = _DEFAULT_CTAS_PER_SM,
+                cluster_splits: int = 0) -> tuple[int, int]:
     """Split-KV plan: ``(num_splits, tokens_per_split)``.
 
     One CTA attends for one (stacked member, sequence, kv head, group of up to 8 query heads)
     over ``tokens_per_split`` positions (a multiple of 128); :func:`plan_splits_for_units` picks
-    the number of splits. The plan depends only on static shapes, so a jitted step compiles
-    once; a short sequence skips the splits past its length.
+    the number of splits. Up to ``cluster_splits`` splits (the GPU's
+    ``_ffi.decode_cluster_merge_splits``) run as one thread-block cluster and merge through
+    its shared memory, with no merge kernel. The plan depends only on static shapes, so a
+    jitted step compiles once; a short sequence skips the splits past its length.
     """
-    group = num_q_heads // num_kv_heads
-    units = stacked * batch * num_kv_heads * -(-group // 8)
+    units = decode_units(stacked, batch, num_kv_heads, num_q_heads)
     return plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm, _TOKENS_PER_CTA_STEP,
-                                 merge_rows=stacked * batch * num_q_heads)
+                                 merge_rows=stacked * batch * num_q_heads,
+                                 cluster_splits=cluster_splits)
 
 
 def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_sm: int,
-                          step: int, *, merge_rows: int) -> tuple[int, int]:
+                          step: int, *, merge_rows: int,
+                          cluster_splits: int = 0) -> tuple[int, int]:
     """The split-KV plan of ``units`` CTAs' worth of work over up to ``max_tokens`` positions
     each: ``(num_splits, tokens_per_split)``, ``tokens_per_split`` a multiple of ``step``.
 
@@ -248,8 +265,9 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     short context, and avoids a nearly empty last wave. The merge costs a wave per
     ``sm_count * 16`` of its ``merge_rows`` output rows (a block per row whose dependent loads
     take about as long whatever it merges): many rows (a ragged call's prefill chunks) split
-    only where the splits gain more than that. At most one split per 256 positions, and at
-    most 256 splits.
+    only where the splits gain more than that; where :func:`merges_in_cluster` says so, the
+    splits merge inside their cluster instead, for a small fixed cost. At most one split per
+    256 positions, and at most 256 splits.
     """
     slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)
@@ -260,17 +278,35 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
         per_split = -(-per_split // step) * step
         splits = -(-max_tokens // per_split)
         waves = -(-(units * splits) // slots)
-        cost = waves * (per_split + _CTA_START_COST) + (merge if splits > 1 else 0)
+        if splits == 1:
+            merged = 0
+        elif merges_in_cluster(units, splits, sm_count, ctas_per_sm, cluster_splits):
+            merged = _CLUSTER_MERGE_COST
+        else:
+            merged = merge
+        cost = waves * (per_split + _CTA_START_COST) + merged
         if best is None or cost < best[0]:
             best = (cost, splits, per_split)
     return best[1], best[2]
 
 
-def split_kv_results(q, splits):
+def merges_in_cluster(units: int, splits: int, sm_count: int, ctas_per_sm: int,
+                      cluster_splits: int) -> bool:
+    """Whether the decode kernel's ``splits`` splits of ``units`` CTAs each merge inside their
+    thread-block cluster (no merge kernel): 2 to ``cluster_splits`` splits (what the GPU
+    places in a cluster, 0 for none), and only where every CTA fits in one wave of
+    ``sm_count * ctas_per_sm``: there a call's time is one CTA's latency, which the merge
+    kernel's launch adds to; over several waves the cost model's merge-kernel term stays (as
+    measured on an H200; clusters there are not measured yet)."""
+    return (1 < splits <= cluster_splits
+            and units * splits <= max(sm_count * ctas_per_sm, 1))
+
+
+def split_kv_results(q, splits, cluster_merge=False):
     """The results of an attention kernel's FFI call for q ``[L, rows, Hq, D]``: out, lse, and
     the split-KV workspace (partial outputs and log2 lse, float32; no rows with one split,
-    which writes the output directly)."""
-    partial = splits if splits > 1 else 0
+    which writes the output directly, nor when the splits merge in a cluster)."""
+    partial = splits if splits > 1 and not cluster_merge else 0
     rows = q.shape[:3]
     return (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(rows, jnp.float32),
             jax.ShapeDtypeStruct(rows + (partial, q.shape[3]), jnp.float32),
@@ -283,13 +319,19 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
     stacked, batch, num_q_heads, head_size = q.shape
     max_tokens = block_tables.shape[2] * geo.block_size
+    sm_count, ctas_per_sm = _sm_count(), _resident_ctas(head_size)
+    cluster_splits = _cluster_merge_splits(head_size)
     splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
-                                           max_tokens, _sm_count(), _resident_ctas(head_size))
-    call = jax.ffi.ffi_call(DECODE_TARGET, split_kv_results(q, splits))
+                                           max_tokens, sm_count, ctas_per_sm, cluster_splits)
+    cluster_merge = merges_in_cluster(decode_units(stacked, batch, geo.num_kv_heads, num_q_heads),
+                                      splits, sm_count, ctas_per_sm, cluster_splits)
+    call = jax.ffi.ffi_call(DECODE_TARGET, split_kv_results(q, splits, cluster_merge))
+    # The kernel applies the readers' invalid-scale rule itself (checks.nan_if_invalid).
     out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                           layout=np.int32(_layout.LAYOUTS.index(layout)),
                           v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
-                          tokens_per_split=np.int32(tokens_per_split))
+                          tokens_per_split=np.int32(tokens_per_split),
+                          cluster_merge=cluster_merge)
     return out, lse
 
 

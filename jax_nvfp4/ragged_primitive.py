@@ -231,7 +231,9 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
         num_splits=np.int32(splits), tokens_per_split=np.int32(tokens_per_split),
         decode_splits=np.int32(decode_splits), decode_tokens_per_split=np.int32(decode_per_split),
         max_q_len=np.int32(max_q_len or 0), few_rows_only=alone)
-    return out, lse
+    # The readers' invalid-scale rule, which these kernels do not apply themselves (the decode
+    # kernel's one-token sequences already are NaN then).
+    return checks.nan_if_invalid((out, lse), k_scale, v_scale)
 
 
 _jnp_lowering, _cuda_lowering = _decode.lowerings(

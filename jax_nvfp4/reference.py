@@ -312,10 +312,9 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     ``max_blocks_per_seq`` pages of its row of ``block_tables`` (padding entries clamped into
     range), dequantises them to float32 (:func:`dequantize_pages`) and attends with
     :func:`attend`. Options are validated (:func:`jax_nvfp4.checks.check_options`); an
-    invalid global scale gives NaN.
+    invalid global scale makes every output (and lse) NaN (:func:`jax_nvfp4.checks.nan_if_invalid`).
     """
     checks.check_options(layout=layout, v_scale_swizzle=v_scale_swizzle, return_lse=return_lse)
-    k_scale, v_scale = checks.sanitize_scale(k_scale), checks.sanitize_scale(v_scale)
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape, layout)
     batch = q.shape[0]
     max_blocks = block_tables.shape[1]
@@ -323,8 +322,9 @@ def paged_attention(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, *, la
     k, v = dequantize_pages(pages, geo, k_scale, v_scale, v_scale_swizzle=bool(v_scale_swizzle),
                             dtype=jnp.float32)
     shape = (batch, max_blocks * geo.block_size, geo.num_kv_heads, geo.head_size)
-    return attend(q, k.reshape(shape), v.reshape(shape), seq_lens, sm_scale=sm_scale,
-                  return_lse=return_lse)
+    result = checks.nan_if_invalid(attend(q, k.reshape(shape), v.reshape(shape), seq_lens,
+                                          sm_scale=sm_scale, return_lse=True), k_scale, v_scale)
+    return result if return_lse else result[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -399,8 +399,9 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     num_tokens = q.shape[0]
     max_num_seqs, max_blocks = block_tables.shape
     if max_num_seqs == 0 or num_tokens == 0:
-        out = jnp.zeros(q.shape, q.dtype)
-        lse = jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+        out, lse = checks.nan_if_invalid((jnp.zeros(q.shape, q.dtype),
+                                          jnp.full(q.shape[:2], -jnp.inf, jnp.float32)),
+                                         k_scale, v_scale)
         return (out, lse) if return_lse else out
     seq, end, q_len = ragged_token_plan(cu_q_lens, num_seqs, seq_lens, num_tokens,
                                         max_blocks * geo.block_size, with_q_len=True)

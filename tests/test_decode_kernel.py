@@ -552,6 +552,33 @@ def test_plan_splits_hand_checked():
     assert ap.plan_splits(4, 2, 8, 32, 32768, 132) == ap.plan_splits(1, 8, 8, 32, 32768, 132)
 
 
+def test_plan_splits_with_cluster_merges():
+    """Splits that merge inside a cluster (in one wave) cost 32 positions instead of the merge
+    kernel's 256: batch 1 x 4096 (8 CTAs a split) takes 16 splits of 256 with clusters of 16
+    (256 + 128 + 32 = 416 against 32 of 128 + 256 = 512), 16 with the merge kernel when
+    clusters hold 8 (8 splits in clusters cost 512 + 128 + 32 = 672 > 640)."""
+    assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=16) == (16, 256)
+    assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=8) == (16, 256)
+    assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3) == (16, 256)
+    # 8 x 4096: 6 splits of 768 fill one wave (384 CTAs) either way.
+    assert ap.plan_splits(1, 8, 8, 32, 4096, 132, 3, cluster_splits=16) == (6, 768)
+    assert ap.merges_in_cluster(ap.decode_units(1, 8, 8, 32), 6, 132, 3, 16)
+    # Over several waves the merge kernel's term stays: the benchmark's plans are unchanged.
+    for (batch, context), plan in BENCHMARK_PLANS.items():
+        max_tokens = math.ceil(context / 16) * 16
+        assert ap.plan_splits(1, batch, 8, 32, max_tokens, 132, 3, cluster_splits=16) == plan
+    assert not ap.merges_in_cluster(ap.decode_units(1, 32, 8, 32), 3, 132, 3, 16)
+    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 17, 132, 3, 16)
+    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 4, 132, 3, 0)
+
+
+def test_split_kv_results_without_workspace_for_cluster_merges():
+    q = jax.ShapeDtypeStruct((1, 3, 8, 64), jnp.bfloat16)
+    out, lse, partial, partial_lse = ap.split_kv_results(q, 4, cluster_merge=True)
+    assert partial.shape == (1, 3, 8, 0, 64) and partial_lse.shape == (1, 3, 8, 0)
+    assert ap.split_kv_results(q, 4)[2].shape == (1, 3, 8, 4, 64)
+
+
 # ================================================================== multi-device (any)
 
 
@@ -733,6 +760,87 @@ def test_gpu_batch_one_100k_tokens(gpu):
     q = case.query(8, jnp.bfloat16)
     got, ref = _kernel_and_jnp(case, q, gpu)
     _check_kernel(case, q, got, ref)
+
+
+def _forced_plan(case, q, gpu, splits, cluster_merge, *, k_scale=None, v_scale=None):
+    """The decode kernel's FFI call on the GPU with a given split count (ceil(capacity /
+    splits) positions each, rounded up to 128) merged inside a cluster or by the merge kernel:
+    (out, lse) as numpy. The plan of paged_attention picks one of these for the shape; this
+    runs the others too."""
+    q, cache, tables, lens, ks, vs = case.args(q)
+    ks = ks if k_scale is None else jnp.float32(k_scale)
+    vs = vs if v_scale is None else jnp.float32(v_scale)
+    capacity = tables.shape[1] * case.block_size
+    per_split = -(-(-(-capacity // splits)) // 128) * 128
+    assert -(-capacity // per_split) == splits, (capacity, splits, per_split)
+    lead = lambda x: jnp.reshape(jnp.asarray(x), (1,) + tuple(jnp.shape(x)))  # noqa: E731
+    sm_scale = jnp.float32(1.0 / math.sqrt(case.head_size))
+    args = [lead(x) for x in (q, cache, tables, lens)] + [
+        jnp.reshape(s, (1,)) for s in (ks, vs, sm_scale)]
+    call = jax.ffi.ffi_call(ap.DECODE_TARGET, ap.split_kv_results(args[0], splits,
+                                                                  cluster_merge))
+    fn = jax.jit(lambda *a: call(
+        *a, layout=np.int32(("HND", "NHD").index(case.layout)),
+        v_scale_swizzle=bool(case.swizzle), num_splits=np.int32(splits),
+        tokens_per_split=np.int32(per_split), cluster_merge=cluster_merge)[:2])
+    out, lse = jax.device_get(fn(*jax.device_put(args, gpu)))
+    return out[0], lse[0]
+
+
+#: Sequences over 2048 positions: long ones whose last split is partial, short ones with every
+#: split but the first empty, and empty ones (length 0 and negative).
+_SPLIT_LENS = (2048, 1, 15, 300, 517, 1999, 0, -3, 1024)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,cluster_merge", [(2, True), (3, True), (5, True), (8, True),
+                                                  (16, True), (2, False), (8, False),
+                                                  (16, False)])
+def test_gpu_split_merges(gpu, splits, cluster_merge):
+    """Every split count the plan may give, merged inside a cluster (up to the GPU's largest
+    cluster: 16 on an H200) and by the merge kernel: the same results as the jnp path and the
+    float64 reference, zeros and lse -inf for empty sequences, and the two merges the same to
+    within a float32 rounding of the weights."""
+    limit = ap._cluster_merge_splits(128)
+    if cluster_merge and splits > limit:
+        pytest.skip(f"this GPU merges at most {limit} splits in a cluster")
+    case = Case(seed=1250 + splits, lens=_SPLIT_LENS, num_kv_heads=2, pad_columns=0)
+    q = case.query(8, jnp.bfloat16)
+    got = _forced_plan(case, q, gpu, splits, cluster_merge)
+    ref = jax.device_get(paged_attention_jit(*jax.device_put(case.args(q), CPU), impl="jnp",
+                                             **case.options, return_lse=True))
+    _check_kernel(case, q, got, ref)
+    empty = np.asarray(_SPLIT_LENS) <= 0
+    np.testing.assert_array_equal(_f64(got[0][empty]), 0.0)
+    assert np.isneginf(got[1][empty]).all()
+    other = _forced_plan(case, q, gpu, splits, not cluster_merge) if splits <= limit else None
+    if other is not None:
+        np.testing.assert_allclose(_f64(other[0]), _f64(got[0]), rtol=0, atol=2e-2)
+        np.testing.assert_allclose(other[1], got[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_plan_merges_in_a_cluster(gpu):
+    """On an sm_90 GPU the decode kernel merges up to 16 splits in a cluster, and the plan of
+    batch 1 x 4096 (8 of 32 heads) takes 16 of them: no merge kernel."""
+    limit = ap._cluster_merge_splits(128)
+    assert limit == 16, limit
+    assert ap.plan_splits(1, 1, 8, 32, 4096, _sm_count(gpu), ap._resident_ctas(128),
+                          limit) == (16, 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits,cluster_merge", [(1, False), (4, True), (4, False)])
+@pytest.mark.parametrize("which,bad", [("k", 0.0), ("v", np.nan), ("k", 2.0 ** 117),
+                                       ("v", 1e-40)])
+def test_gpu_invalid_scale_in_every_merge(gpu, splits, cluster_merge, which, bad):
+    """The kernel applies the readers' invalid-scale rule itself, with one split, a cluster
+    merge and the merge kernel: every output and lse NaN, empty sequences' included."""
+    case = Case(seed=1260, lens=_SPLIT_LENS, num_kv_heads=2, pad_columns=0)
+    q = case.query(8, jnp.float16)
+    out, lse = _forced_plan(case, q, gpu, splits, cluster_merge,
+                            **{f"{which}_scale": bad})
+    assert np.isnan(_f64(out)).all() and np.isnan(lse).all()
 
 
 @pytest.mark.gpu

@@ -1,8 +1,9 @@
 """The global-scale contract (issue: a bad k_scale/v_scale destroyed the cache silently).
 
 A valid global scale is a float32 in [MIN_SCALE, MAX_SCALE] = [2**-126, 2**116]. Any other
-(zero of either sign, negative, NaN, +-Inf, subnormal, larger than 2**116) is replaced by NaN
-before any implementation sees it, so on every backend:
+(zero of either sign, negative, NaN, +-Inf, subnormal, larger than 2**116) counts as NaN on
+every backend (the jnp paths replace it, the store kernels and the decode kernel apply the
+rule themselves), so:
 
 * the store writes, for every stored (token, head) of that side, the NaN block scale 0x7F and
   the code +-6 with the input's sign: those rows read back as NaN with any scale, and the kernel
@@ -54,6 +55,10 @@ def _bits(x):
 def test_constants():
     assert jax_nvfp4.MIN_SCALE == 2.0**-126 == float(np.finfo(np.float32).tiny)
     assert jax_nvfp4.MAX_SCALE == 2.0**116
+    # The kernels' copy of the range (ffi/nvfp4_numerics.h: the store and the decode kernel
+    # apply the rule themselves).
+    from jax_nvfp4.primitive import _ffi
+    assert (_ffi.MIN_SCALE, _ffi.MAX_SCALE) == (jax_nvfp4.MIN_SCALE, jax_nvfp4.MAX_SCALE)
     # The largest stored value at MAX_SCALE is finite, at the next power of two it is not.
     assert np.isfinite(F32(6 * 448) * F32(2.0**116))
     with np.errstate(over="ignore"):
