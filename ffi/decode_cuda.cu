@@ -318,10 +318,9 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
 // the largest cluster of its CTAs the GPU can place, at most kMaxClusterSplits; 0 without
 // cluster launch (or if CUDA failed). Every instance of a head size has the same resources.
 template <int kHead>
-int ClusterMergeSplitsFor() {
-  int device = 0, clusters = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) != cudaSuccess ||
+int AskClusterMergeSplits(int device) {
+  int clusters = 0;
+  if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) != cudaSuccess ||
       !clusters || AllowLargeClusters<kHead, true, Layout::kHND>() != cudaSuccess) {
     cudaGetLastError();  // leave no error behind for the next launch's check
     return 0;
@@ -336,6 +335,24 @@ int ClusterMergeSplitsFor() {
     return 0;
   }
   return size >= 2 ? std::min(size, int(kMaxClusterSplits)) : 0;
+}
+
+// The same, asked once per device (every call's handler checks its plan against it).
+template <int kHead>
+int ClusterMergeSplitsFor() {
+  static std::atomic<int> answers[64];  // answer + 1 per device, 0: not asked yet
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (device >= 64) return AskClusterMergeSplits<kHead>(device);
+  int answer = answers[device].load(std::memory_order_acquire);
+  if (answer == 0) {
+    answer = AskClusterMergeSplits<kHead>(device) + 1;
+    answers[device].store(answer, std::memory_order_release);
+  }
+  return answer - 1;
 }
 
 int ClusterMergeSplits(int64_t head_size) {
