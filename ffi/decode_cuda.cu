@@ -103,11 +103,19 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeProblem& p, con
   const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   for (int i = rank * kThreads + threadIdx.x; i < rows * kHead; i += splits * kThreads) {
     const int row = i / kHead, d = i % kHead;
+    // Every split's lse and value read at once (independent remote loads, not one round trip
+    // per split).
+    float lse[kMaxClusterSplits], value[kMaxClusterSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s) {
+      lse[s] = s < splits ? *cluster.map_shared_rank(split_lse + row, s) : -INFINITY;
+      value[s] = s < splits ? *cluster.map_shared_rank(split_out + i, s) : 0.f;
+    }
     float lse2;
-    const float value = merge_splits(
-        splits, [&](int s) { return *cluster.map_shared_rank(split_lse + row, s); },
-        [&](int s) { return *cluster.map_shared_rank(split_out + i, s); }, &lse2);
-    store_out(p.out, p.q_type, (first_row + row) * kHead + d, value * out_scale);
+    const float merged = merge_splits(
+        kMaxClusterSplits, [&](int s) { return lse[s]; }, [&](int s) { return value[s]; },
+        &lse2);
+    store_out(p.out, p.q_type, (first_row + row) * kHead + d, merged * out_scale);
     if (d == 0) p.lse[first_row + row] = lse2 * kLn2;
   }
   cluster.sync();  // no CTA leaves while a peer still reads its shared memory

@@ -793,7 +793,7 @@ _SPLIT_LENS = (2048, 1, 15, 300, 517, 1999, 0, -3, 1024)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,cluster_merge", [(2, True), (3, True), (5, True), (8, True),
+@pytest.mark.parametrize("splits,cluster_merge", [(2, True), (3, True), (6, True), (8, True),
                                                   (16, True), (2, False), (8, False),
                                                   (16, False)])
 def test_gpu_split_merges(gpu, splits, cluster_merge):
