@@ -280,7 +280,7 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
         waves = -(-(units * splits) // slots)
         if splits == 1:
             merged = 0
-        elif merges_in_cluster(units, splits, sm_count, ctas_per_sm, cluster_splits):
+        elif merges_in_cluster(units, splits, sm_count, cluster_splits):
             merged = _CLUSTER_MERGE_COST
         else:
             merged = merge
@@ -290,16 +290,15 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     return best[1], best[2]
 
 
-def merges_in_cluster(units: int, splits: int, sm_count: int, ctas_per_sm: int,
-                      cluster_splits: int) -> bool:
+def merges_in_cluster(units: int, splits: int, sm_count: int, cluster_splits: int) -> bool:
     """Whether the decode kernel's ``splits`` splits of ``units`` CTAs each merge inside their
     thread-block cluster (no merge kernel): 2 to ``cluster_splits`` splits (what the GPU
-    places in a cluster, 0 for none), and only where every CTA fits in one wave of
-    ``sm_count * ctas_per_sm``: there a call's time is one CTA's latency, which the merge
-    kernel's launch adds to; over several waves the cost model's merge-kernel term stays (as
-    measured on an H200; clusters there are not measured yet)."""
-    return (1 < splits <= cluster_splits
-            and units * splits <= max(sm_count * ctas_per_sm, 1))
+    places in a cluster, 0 for none), and only where there is at most one CTA per SM
+    (``units * splits <= sm_count``). Measured on an H200 (ncu, 2026-12-01): at 1 x 4096 (128
+    CTAs in clusters of 16) the cluster launch took 16.5 µs against 14.3 + 5.9 for the
+    kernel and its merge kernel; at 8 x 4096 (384 CTAs in clusters of 6, up to 3 per SM) it
+    took 45.4 µs against 28.7 + 5.4: clusters that must share SMs are placed worse."""
+    return 1 < splits <= cluster_splits and units * splits <= max(sm_count, 1)
 
 
 def split_kv_results(q, splits, cluster_merge=False):
@@ -324,7 +323,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
                                            max_tokens, sm_count, ctas_per_sm, cluster_splits)
     cluster_merge = merges_in_cluster(decode_units(stacked, batch, geo.num_kv_heads, num_q_heads),
-                                      splits, sm_count, ctas_per_sm, cluster_splits)
+                                      splits, sm_count, cluster_splits)
     call = jax.ffi.ffi_call(DECODE_TARGET, split_kv_results(q, splits, cluster_merge))
     # The kernel applies the readers' invalid-scale rule itself (checks.nan_if_invalid).
     out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,

@@ -553,23 +553,24 @@ def test_plan_splits_hand_checked():
 
 
 def test_plan_splits_with_cluster_merges():
-    """Splits that merge inside a cluster (in one wave) cost 32 positions instead of the merge
-    kernel's 256: batch 1 x 4096 (8 CTAs a split) takes 16 splits of 256 with clusters of 16
-    (256 + 128 + 32 = 416 against 32 of 128 + 256 = 512), 16 with the merge kernel when
-    clusters hold 8 (8 splits in clusters cost 512 + 128 + 32 = 672 > 640)."""
+    """Splits that merge inside a cluster (at most one CTA per SM) cost 32 positions instead of
+    the merge kernel's 256: batch 1 x 4096 (8 CTAs a split) takes 16 splits of 256 with
+    clusters of 16 (256 + 128 + 32 = 416 against 32 of 128 + 256 = 512), 16 with the merge
+    kernel when clusters hold 8 (8 splits in clusters cost 512 + 128 + 32 = 672 > 640)."""
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=16) == (16, 256)
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=8) == (16, 256)
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3) == (16, 256)
     # 8 x 4096: 6 splits of 768 fill one wave (384 CTAs) either way.
     assert ap.plan_splits(1, 8, 8, 32, 4096, 132, 3, cluster_splits=16) == (6, 768)
-    assert ap.merges_in_cluster(ap.decode_units(1, 8, 8, 32), 6, 132, 3, 16)
+    assert ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 16, 132, 16)   # 128 CTAs
+    assert not ap.merges_in_cluster(ap.decode_units(1, 8, 8, 32), 6, 132, 16)  # 384
     # Over several waves the merge kernel's term stays: the benchmark's plans are unchanged.
     for (batch, context), plan in BENCHMARK_PLANS.items():
         max_tokens = math.ceil(context / 16) * 16
         assert ap.plan_splits(1, batch, 8, 32, max_tokens, 132, 3, cluster_splits=16) == plan
-    assert not ap.merges_in_cluster(ap.decode_units(1, 32, 8, 32), 3, 132, 3, 16)
-    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 17, 132, 3, 16)
-    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 4, 132, 3, 0)
+    assert not ap.merges_in_cluster(ap.decode_units(1, 32, 8, 32), 3, 132, 16)
+    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 17, 132, 16)
+    assert not ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 4, 132, 0)
 
 
 def test_split_kv_results_without_workspace_for_cluster_merges():
@@ -821,12 +822,13 @@ def test_gpu_split_merges(gpu, splits, cluster_merge):
 
 @pytest.mark.gpu
 def test_gpu_plan_merges_in_a_cluster(gpu):
-    """On an sm_90 GPU the decode kernel merges up to 16 splits in a cluster, and the plan of
-    batch 1 x 4096 (8 of 32 heads) takes 16 of them: no merge kernel."""
+    """On an sm_90 GPU the decode kernel merges up to 16 splits in a cluster, and batch 1 x 4096
+    (8 of 32 heads: 128 CTAs) takes 16 of them: no merge kernel."""
     limit = ap._cluster_merge_splits(128)
     assert limit == 16, limit
     assert ap.plan_splits(1, 1, 8, 32, 4096, _sm_count(gpu), ap._resident_ctas(128),
                           limit) == (16, 256)
+    assert ap.merges_in_cluster(ap.decode_units(1, 1, 8, 32), 16, _sm_count(gpu), limit)
 
 
 @pytest.mark.gpu
