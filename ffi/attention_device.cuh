@@ -199,6 +199,32 @@ __device__ __forceinline__ void store_out(void* out, QType type, int64_t i, floa
   }
 }
 
+// Eight q values from element i (a multiple of 8) as float32, in 16-byte loads (q is 16-byte
+// aligned: ReadAttentionOperands checks it).
+__device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, float (&x)[8]) {
+  if (type == QType::kF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+    x[7] = b.w;
+    return;
+  }
+  const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint16_t lo = uint16_t(w[k] & 0xFFFFu), hi = uint16_t(w[k] >> 16);
+    if (type == QType::kBF16) {
+      x[2 * k] = __bfloat162float(__ushort_as_bfloat16(lo));
+      x[2 * k + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
+    } else {
+      x[2 * k] = __half2float(__ushort_as_half(lo));
+      x[2 * k + 1] = __half2float(__ushort_as_half(hi));
+    }
+  }
+}
+
+
 // The power-of-two exponent e that puts amax * 2^e in [2^14, 2^15) (0 for 0, Inf, NaN): q
 // rounded to fp16 after it keeps 11 significant bits and cannot overflow.
 __device__ __forceinline__ int q_exponent(float amax) {
@@ -209,6 +235,18 @@ __device__ __forceinline__ int q_exponent(float amax) {
   }
   return exponent;
 }
+
+// x * 2^e for the exponents q_exponent gives (|e| <= 140) as two products by normal powers of
+// two: exact where x * 2^e is a normal float, and with flush-to-zero arithmetic zero (of x's
+// sign) below that, as ldexpf then gives after the fp16 rounding the callers apply (fp16's
+// smallest subnormal is 2^-24). ldexpf's general path is about a dozen instructions a value.
+struct PowerOfTwo {
+  float lo, hi;
+  __device__ __forceinline__ explicit PowerOfTwo(int e)
+      : lo(bits_float(uint32_t(e / 2 + 127) << 23)),
+        hi(bits_float(uint32_t(e - e / 2 + 127) << 23)) {}
+  __device__ __forceinline__ float operator()(float x) const { return x * lo * hi; }
+};
 
 // ------------------------------------------------------------------------------------------
 // Split-KV: the partial results of `count` splits of one query row (lse(s): the log2-unit lse of

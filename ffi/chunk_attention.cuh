@@ -66,20 +66,28 @@ __device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t
   float qv[kDims];
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < kDims; ++i) {
-    qv[i] = valid ? load_q(q, q_type, q_at + qd * kDims + i) : 0.f;
-    amax = fmaxf(amax, fabsf(qv[i]));
+  for (int i = 0; i < kDims; i += 8) {
+    float* x = qv + i;
+    if (valid) {
+      load_q8(q, q_type, q_at + qd * kDims + i, *reinterpret_cast<float(*)[8]>(x));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x[k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(x[k]));
   }
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
   const int exponent = q_exponent(amax);
+  const PowerOfTwo times(exponent);
 #pragma unroll
   for (int w = 0; w < kDims / 8; ++w)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float* x = qv + 8 * w + e;
-      qf[2 * w + e][0] = pack_f16x2(ldexpf(x[0], exponent), ldexpf(x[4], exponent));
-      qf[2 * w + e][1] = pack_f16x2(ldexpf(x[2], exponent), ldexpf(x[6], exponent));
+      qf[2 * w + e][0] = pack_f16x2(times(x[0]), times(x[4]));
+      qf[2 * w + e][1] = pack_f16x2(times(x[2]), times(x[6]));
     }
   const float mine = ldexpf(k_times_sm_scale * kLog2e, 7 - exponent);
   score_scale[0] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd);      // column 2q: lane 4 * (2q)

@@ -139,31 +139,6 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending));
 }
 
-// Eight q values from element i (a multiple of 8) as float32.
-__device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, float (&x)[8]) {
-  if (type == QType::kF32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
-    const float4 a = __ldg(p), b = __ldg(p + 1);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
-    x[7] = b.w;
-    return;
-  }
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint16_t lo = uint16_t(w[k] & 0xFFFFu), hi = uint16_t(w[k] >> 16);
-    if (type == QType::kBF16) {
-      x[2 * k] = __bfloat162float(__ushort_as_bfloat16(lo));
-      x[2 * k + 1] = __bfloat162float(__ushort_as_bfloat16(hi));
-    } else {
-      x[2 * k] = __half2float(__ushort_as_half(lo));
-      x[2 * k + 1] = __half2float(__ushort_as_half(hi));
-    }
-  }
-}
-
-
 // ------------------------------------------------------------------------------------------
 // The tile a CTA works on.
 
@@ -439,16 +414,17 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     }
     amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
     const int exponent = q_exponent(amax);
+    const PowerOfTwo times(exponent);
     uint16_t* dst = q_smem + r * R::kStride + half * kDims;
 #pragma unroll 4
     for (int i = 0; i < kDims; i += 8) {
       float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       if (valid) load_q8(p.q, p.q_type, q_at + i, v);
       *reinterpret_cast<uint4*>(dst + i) = make_uint4(
-          pack_f16x2(ldexpf(v[0], exponent), ldexpf(v[4], exponent)),
-          pack_f16x2(ldexpf(v[2], exponent), ldexpf(v[6], exponent)),
-          pack_f16x2(ldexpf(v[1], exponent), ldexpf(v[5], exponent)),
-          pack_f16x2(ldexpf(v[3], exponent), ldexpf(v[7], exponent)));
+          pack_f16x2(times(v[0]), times(v[4])),
+          pack_f16x2(times(v[2]), times(v[6])),
+          pack_f16x2(times(v[1]), times(v[5])),
+          pack_f16x2(times(v[3]), times(v[7])));
     }
     if (half == 0) {
       const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
