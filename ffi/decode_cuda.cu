@@ -103,14 +103,16 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeProblem& p, con
   const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
   for (int i = rank * kThreads + threadIdx.x; i < rows * kHead; i += splits * kThreads) {
     const int row = i / kHead, d = i % kHead;
-    // Every split's lse and value read at once (independent remote loads, not one round trip
-    // per split).
+    // Every split's lse, then the values of the non-empty ones, each read at once (independent
+    // remote loads, two round trips, not two per split; an empty split's values were never
+    // written).
     float lse[kMaxClusterSplits], value[kMaxClusterSplits];
 #pragma unroll
-    for (int s = 0; s < kMaxClusterSplits; ++s) {
+    for (int s = 0; s < kMaxClusterSplits; ++s)
       lse[s] = s < splits ? *cluster.map_shared_rank(split_lse + row, s) : -INFINITY;
-      value[s] = s < splits ? *cluster.map_shared_rank(split_out + i, s) : 0.f;
-    }
+#pragma unroll
+    for (int s = 0; s < kMaxClusterSplits; ++s)
+      value[s] = lse[s] != -INFINITY ? *cluster.map_shared_rank(split_out + i, s) : 0.f;
     float lse2;
     const float merged = merge_splits(
         kMaxClusterSplits, [&](int s) { return lse[s]; }, [&](int s) { return value[s]; },
