@@ -3,7 +3,10 @@
 // One CTA (4 warps) attends for one (member, sequence, kv head, group of up to 8 query heads)
 // over one split of the sequence's positions (split-KV); each warp takes chunks of 16 or 32
 // positions, keeps its own online softmax, and the warps merge through shared memory. With
-// several splits a second kernel merges the splits' partial results (log-sum-exp weighted).
+// several splits their partial results are merged (log-sum-exp weighted) by a second kernel,
+// or, where the plan says so (DecodeProblem::cluster_merge, sm_90+), by the splits' CTAs
+// themselves: one thread-block cluster per unit, through distributed shared memory. An invalid
+// global scale makes every output NaN here (jax_nvfp4.checks.nan_if_invalid's rule).
 // In ragged mode (DecodeProblem::cu_q_lens) the same kernels take the sequences of a ragged call
 // that own one query token (ragged_cuda.cu launches them), q and out rows being tokens.
 //
@@ -300,7 +303,10 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
     // The splits of one unit as one cluster (grid.y = cluster.y = num_splits).
     if (p.num_splits > 8) {
       const cudaError_t allowed = AllowLargeClusters<kHead, kSwizzle, kLayout>();
-      if (allowed != cudaSuccess) return allowed;
+      if (allowed != cudaSuccess) {
+        cudaGetLastError();  // reported here, not by the next launch's check
+        return allowed;
+      }
     }
     cudaLaunchConfig_t config = {};
     config.gridDim = blocks;
@@ -313,7 +319,10 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
     cluster.val.clusterDim.z = 1;
     config.attrs = &cluster;
     config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, DecodeKernel<kHead, kSwizzle, kLayout>, p, grid);
+    const cudaError_t launched =
+        cudaLaunchKernelEx(&config, DecodeKernel<kHead, kSwizzle, kLayout>, p, grid);
+    if (launched != cudaSuccess) cudaGetLastError();  // likewise
+    return launched;
   }
   DecodeKernel<kHead, kSwizzle, kLayout><<<blocks, kThreads, 0, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
@@ -330,11 +339,21 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
 template <int kHead>
 int AskClusterMergeSplits(int device) {
   int clusters = 0;
-  if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) != cudaSuccess ||
-      !clusters || AllowLargeClusters<kHead, true, Layout::kHND>() != cudaSuccess) {
-    cudaGetLastError();  // leave no error behind for the next launch's check
+  if (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) != cudaSuccess) {
+    cudaGetLastError();  // leave no error of ours behind for the next launch's check
     return 0;
   }
+  // The cluster merge's code exists only where the kernel was compiled for sm_90 and up (a
+  // build from older PTX, JIT-compiled for this GPU, has the trap instead).
+  cudaFuncAttributes attributes;
+  if (!clusters ||
+      cudaFuncGetAttributes(&attributes, DecodeKernel<kHead, true, Layout::kHND>) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  if (attributes.ptxVersion < 90) return 0;
+  // Without the non-portable size the GPU still places clusters of up to 8.
+  if (AllowLargeClusters<kHead, true, Layout::kHND>() != cudaSuccess) cudaGetLastError();
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1, uint32_t(kMaxClusterSplits));
   config.blockDim = dim3(kThreads);

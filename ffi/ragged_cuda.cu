@@ -811,14 +811,17 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
                       ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout,
                       bool v_scale_swizzle, int32_t num_splits, int32_t tokens_per_split,
                       int32_t decode_splits, int32_t decode_tokens_per_split,
-                      int32_t max_q_len, bool few_rows_only) {
+                      bool decode_cluster_merge, int32_t max_q_len, bool few_rows_only) {
   RaggedProblem p;
   ffi::Error error = MakeRaggedProblem(
       q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale, out,
       lse, partial_out, partial_lse, decode_partial_out, decode_partial_lse, layout,
       v_scale_swizzle, num_splits, tokens_per_split, decode_splits, decode_tokens_per_split,
-      max_q_len, few_rows_only, &p);
+      decode_cluster_merge, max_q_len, few_rows_only, &p);
   if (error.failure()) return error;
+  if (decode_cluster_merge && decode_splits > DecodeClusterMergeSplits(int(p.page.head_size)))
+    return RaggedArgumentError("decode_cluster_merge with more splits than this GPU places in "
+                               "a cluster of the decode kernel");
   if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return RaggedArgumentError("kv_cache has no pages but block_tables has columns");

@@ -10,7 +10,8 @@
 // split-KV workspace partial_out [L, T, Hq, P, D], partial_lse [L, T, Hq, P] float32
 // (P = num_splits, or 0 when num_splits == 1), and that of the decode kernel, which takes the
 // sequences with one query token (decode_splits > 0): decode_partial_out [L, S, Hq, P', D],
-// decode_partial_lse [L, S, Hq, P'] (P' = decode_splits, or 0 when it is 0 or 1).
+// decode_partial_lse [L, S, Hq, P'] (P' = decode_splits, or 0 when it is 0 or 1 or the decode
+// splits merge in a cluster).
 #pragma once
 
 #include <algorithm>
@@ -77,6 +78,7 @@ struct RaggedProblem {
   // decode_splits > 0, with this split plan and workspace; the ragged kernel skips them.
   int32_t decode_splits;
   int32_t decode_tokens_per_split;
+  int32_t decode_cluster_merge;  // its splits merge in a cluster (DecodeProblem::cluster_merge)
   float* decode_partial_out;
   float* decode_partial_lse;
   // The caller's bound on any sequence's query tokens (0: none): a sequence with more gets NaN
@@ -101,7 +103,8 @@ inline ffi::Error MakeRaggedProblem(
     ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_out,
     ffi::Result<ffi::Buffer<ffi::F32>> decode_partial_lse, int32_t layout, bool v_scale_swizzle,
     int32_t num_splits, int32_t tokens_per_split, int32_t decode_splits,
-    int32_t decode_tokens_per_split, int32_t max_q_len, bool few_rows_only, RaggedProblem* p) {
+    int32_t decode_tokens_per_split, bool decode_cluster_merge, int32_t max_q_len,
+    bool few_rows_only, RaggedProblem* p) {
   const auto q_dims = q.dimensions();
   const auto cache_dims = kv_cache.dimensions();
   const auto table_dims = block_tables.dimensions();
@@ -150,7 +153,10 @@ inline ffi::Error MakeRaggedProblem(
     return RaggedArgumentError(
         "few_rows_only needs 1 <= max_q_len x the GQA group <= 16, a head size <= 128 and no "
         "decode launch (decode_splits == 0)");
-  const int64_t decode_partial = decode_splits > 1 ? decode_splits : 0;
+  if (decode_cluster_merge && (decode_splits < 2 || decode_splits > kMaxClusterSplits))
+    return RaggedArgumentError("decode_cluster_merge takes 2 to " +
+                               std::to_string(kMaxClusterSplits) + " decode splits");
+  const int64_t decode_partial = decode_splits > 1 && !decode_cluster_merge ? decode_splits : 0;
   const int64_t decode_rows = stacked * max_num_seqs * num_q_heads;
   if (decode_partial_out->element_count() != size_t(decode_rows * decode_partial * head_size) ||
       decode_partial_lse->element_count() != size_t(decode_rows * decode_partial))
@@ -192,6 +198,7 @@ inline ffi::Error MakeRaggedProblem(
   p->tokens_per_split = tokens_per_split;
   p->decode_splits = decode_splits;
   p->decode_tokens_per_split = decode_tokens_per_split;
+  p->decode_cluster_merge = decode_cluster_merge;
   p->decode_partial_out = decode_partial_out->typed_data();
   p->decode_partial_lse = decode_partial_lse->typed_data();
   p->max_q_len = max_q_len;
@@ -227,7 +234,7 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
   d.sm_scale_stacked = p.sm_scale_stacked;
   d.num_splits = p.decode_splits;
   d.tokens_per_split = p.decode_tokens_per_split;
-  d.cluster_merge = 0;  // its splits merge in the merge kernel (the ragged plan's workspace)
+  d.cluster_merge = p.decode_cluster_merge;  // the decode reader's plan, merge included
   d.page = p.page;
   d.cu_q_lens = p.cu_q_lens;
   d.num_seqs = p.num_seqs;
@@ -269,6 +276,7 @@ auto BindRagged(Binding binding) {
       .template Attr<int32_t>("tokens_per_split")
       .template Attr<int32_t>("decode_splits")
       .template Attr<int32_t>("decode_tokens_per_split")
+      .template Attr<bool>("decode_cluster_merge")
       .template Attr<int32_t>("max_q_len")
       .template Attr<bool>("few_rows_only");
 }

@@ -301,6 +301,21 @@ def merges_in_cluster(units: int, splits: int, sm_count: int, cluster_splits: in
     return 1 < splits <= cluster_splits and units * splits <= max(sm_count, 1)
 
 
+def decode_plan(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int, head_size: int,
+                max_tokens: int) -> tuple[int, int, bool]:
+    """The decode kernel's plan on this GPU: ``(num_splits, tokens_per_split, cluster_merge)``
+    (:func:`plan_splits` with the GPU's SM count, occupancy and cluster limit; whether the
+    splits merge in a cluster, :func:`merges_in_cluster`). The decode reader's launch, and the
+    ragged reader's for its one-token sequences, so that those are the same computation."""
+    sm_count, ctas_per_sm = _sm_count(), _resident_ctas(head_size)
+    cluster_splits = _cluster_merge_splits(head_size)
+    splits, per_split = plan_splits(stacked, batch, num_kv_heads, num_q_heads, max_tokens,
+                                    sm_count, ctas_per_sm, cluster_splits)
+    cluster_merge = merges_in_cluster(decode_units(stacked, batch, num_kv_heads, num_q_heads),
+                                      splits, sm_count, cluster_splits)
+    return splits, per_split, cluster_merge
+
+
 def split_kv_results(q, splits, cluster_merge=False):
     """The results of an attention kernel's FFI call for q ``[L, rows, Hq, D]``: out, lse, and
     the split-KV workspace (partial outputs and log2 lse, float32; no rows with one split,
@@ -318,12 +333,8 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     geo = _layout.CacheGeometry.from_shape(kv_cache.shape[1:], layout)
     stacked, batch, num_q_heads, head_size = q.shape
     max_tokens = block_tables.shape[2] * geo.block_size
-    sm_count, ctas_per_sm = _sm_count(), _resident_ctas(head_size)
-    cluster_splits = _cluster_merge_splits(head_size)
-    splits, tokens_per_split = plan_splits(stacked, batch, geo.num_kv_heads, num_q_heads,
-                                           max_tokens, sm_count, ctas_per_sm, cluster_splits)
-    cluster_merge = merges_in_cluster(decode_units(stacked, batch, geo.num_kv_heads, num_q_heads),
-                                      splits, sm_count, cluster_splits)
+    splits, tokens_per_split, cluster_merge = decode_plan(stacked, batch, geo.num_kv_heads,
+                                                         num_q_heads, head_size, max_tokens)
     call = jax.ffi.ffi_call(DECODE_TARGET, split_kv_results(q, splits, cluster_merge))
     # The kernel applies the readers' invalid-scale rule itself (checks.nan_if_invalid).
     out, lse, _, _ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
@@ -542,6 +553,7 @@ def partitioned(body):
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
            "bind_members_stacked", "empty_batch", "lowerings", "members_first", "num_stacked",
-           "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "resident_ctas",
+           "decode_plan", "decode_units", "merges_in_cluster", "on_one_stacked_axis",
+           "plan_splits", "plan_splits_for_units", "resident_ctas",
            "rule_text", "split_kv_results", "stacked_factors", "stacked_jnp",
            "stacked_shardings"]

@@ -240,9 +240,9 @@ def sanitize_scale(s):
     """A global scale outside the contract's range becomes NaN (a valid one is returned
     unchanged, bit for bit).
 
-    This is the contract for a bad k_scale/v_scale, the same on every backend: the jnp paths
-    apply it here, the store kernels (C++ and CUDA, ffi/store_kernel.h) the same rule
-    themselves. The store quantises with a NaN scale, which writes the NaN block scale byte
+    This is the contract for a bad k_scale/v_scale, the same on every backend: the jnp store
+    and ``dequantize`` apply it here, the store kernels (C++ and CUDA, ffi/store_kernel.h) the
+    same rule themselves. The store quantises with a NaN scale, which writes the NaN block scale byte
     (0x7F) and code +-6 (the input's sign) for every stored value, so those rows read back as
     NaN whatever scale they are read with; the readers return NaN (:func:`nan_if_invalid`). A
     bad scale never quietly reads back as zeros."""
@@ -255,7 +255,8 @@ def nan_if_invalid(results, k_scale, v_scale):
     """The readers' rule for an invalid global scale: every output and lse NaN, empty
     sequences' included. ``results``: arrays whose first axis is the members' where the scales
     have one entry per member (shape ``(L,)``); a scalar or ``(1,)`` scale applies to every
-    row. The jnp paths apply it here; the decode kernel applies it itself. jit-compatible."""
+    row. The jnp readers apply it here, and so does the ragged reader's CUDA path after its
+    kernels; the decode kernel applies the rule itself. jit-compatible."""
     import jax.numpy as jnp
 
     valid = jnp.reshape(scale_is_valid(k_scale) & scale_is_valid(v_scale), (-1,))

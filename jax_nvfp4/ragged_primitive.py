@@ -193,16 +193,18 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
 
 
 def plan_one_token_splits(stacked: int, max_num_seqs: int, num_kv_heads: int, num_q_heads: int,
-                          head_size: int, max_tokens: int) -> tuple[int, int]:
-    """Split-KV plan ``(decode_splits, tokens_per_split)`` of the decode kernel for the
-    sequences of a ragged call that own one query token (the decode tokens of a mixed batch,
-    or every sequence of a decode step called through ragged attention): the decode reader's
-    own plan for a batch of ``max_num_seqs``, so one token per sequence is that reader's launch
-    exactly. ``(0, 0)`` (no decode launch) when there is no sequence."""
+                          head_size: int, max_tokens: int) -> tuple[int, int, bool]:
+    """Split-KV plan ``(decode_splits, tokens_per_split, cluster_merge)`` of the decode kernel
+    for the sequences of a ragged call that own one query token (the decode tokens of a mixed
+    batch, or every sequence of a decode step called through ragged attention): the decode
+    reader's own plan for a batch of ``max_num_seqs``
+    (:func:`jax_nvfp4.attention_primitive.decode_plan`, the merge of its splits included), so
+    one token per sequence is that reader's launch exactly. ``(0, 0, False)`` (no decode
+    launch) when there is no sequence."""
     if max_num_seqs == 0:
-        return 0, 0
-    return _decode.plan_splits(stacked, max_num_seqs, num_kv_heads, num_q_heads, max_tokens,
-                               _decode._sm_count(), _decode._resident_ctas(head_size))
+        return 0, 0, False
+    return _decode.decode_plan(stacked, max_num_seqs, num_kv_heads, num_q_heads, head_size,
+                               max_tokens)
 
 
 def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,
@@ -220,16 +222,18 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     # The sequences that own one query token go to the decode kernel (launched by the same
     # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences;
     # unless the few-row kernel serves the call alone.
-    decode_splits, decode_per_split = (0, 0) if alone else plan_one_token_splits(
-        stacked, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens)
+    decode_splits, decode_per_split, decode_cluster_merge = (
+        (0, 0, False) if alone else plan_one_token_splits(
+            stacked, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens))
     by_sequence = jax.ShapeDtypeStruct((stacked, max_num_seqs, num_q_heads, head_size), q.dtype)
     results = (_decode.split_kv_results(q, splits) +
-               _decode.split_kv_results(by_sequence, decode_splits)[2:])
+               _decode.split_kv_results(by_sequence, decode_splits, decode_cluster_merge)[2:])
     out, lse, *_ = jax.ffi.ffi_call(RAGGED_TARGET, results)(
         q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale, sm_scale,
         layout=np.int32(_layout.LAYOUTS.index(layout)), v_scale_swizzle=bool(v_scale_swizzle),
         num_splits=np.int32(splits), tokens_per_split=np.int32(tokens_per_split),
         decode_splits=np.int32(decode_splits), decode_tokens_per_split=np.int32(decode_per_split),
+        decode_cluster_merge=decode_cluster_merge,
         max_q_len=np.int32(max_q_len or 0), few_rows_only=alone)
     # The readers' invalid-scale rule, which these kernels do not apply themselves (the decode
     # kernel's one-token sequences already are NaN then).

@@ -554,9 +554,13 @@ def test_plan_splits_hand_checked():
 
 def test_plan_splits_with_cluster_merges():
     """Splits that merge inside a cluster (at most one CTA per SM) cost 32 positions instead of
-    the merge kernel's 256: batch 1 x 4096 (8 CTAs a split) takes 16 splits of 256 with
-    clusters of 16 (256 + 128 + 32 = 416 against 32 of 128 + 256 = 512), 16 with the merge
-    kernel when clusters hold 8 (8 splits in clusters cost 512 + 128 + 32 = 672 > 640)."""
+    the merge kernel's 256: 512 positions at batch 1 split in two with clusters (256 + 128 +
+    32 = 416 against one split's 640) and not without (2 splits: 256 + 128 + 256 = 640, the
+    tie keeps one); batch 1 x 4096 (8 CTAs a split) takes 16 splits of 256 either way (with
+    clusters of 16 at 416, with the merge kernel at 640; 8 splits in clusters cost 512 + 128
+    + 32 = 672)."""
+    assert ap.plan_splits(1, 1, 8, 32, 512, 132, 3, cluster_splits=16) == (2, 256)
+    assert ap.plan_splits(1, 1, 8, 32, 512, 132, 3) == (1, 512)
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=16) == (16, 256)
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3, cluster_splits=8) == (16, 256)
     assert ap.plan_splits(1, 1, 8, 32, 4096, 132, 3) == (16, 256)
@@ -788,42 +792,50 @@ def _forced_plan(case, q, gpu, splits, cluster_merge, *, k_scale=None, v_scale=N
     return out[0], lse[0]
 
 
-#: Sequences over 2048 positions: long ones whose last split is partial, short ones with every
-#: split but the first empty, and empty ones (length 0 and negative).
-_SPLIT_LENS = (2048, 1, 15, 300, 517, 1999, 0, -3, 1024)
+#: Sequences over `longest` positions (the table's capacity): long ones whose last split is
+#: partial, short ones with every split but the first empty, and empty ones (length 0 and
+#: negative).
+def _split_lens(longest=2048):
+    return (longest, 1, 15, 300, 517, longest - 49, 0, -3, 1024)
+
+
+_SPLIT_LENS = _split_lens()
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits,cluster_merge", [(2, True), (3, True), (6, True), (8, True),
-                                                  (16, True), (2, False), (8, False),
-                                                  (16, False)])
+                                                  (12, True), (16, True), (2, False),
+                                                  (8, False), (16, False)])
 def test_gpu_split_merges(gpu, splits, cluster_merge):
-    """Every split count the plan may give, merged inside a cluster (up to the GPU's largest
-    cluster: 16 on an H200) and by the merge kernel: the same results as the jnp path and the
-    float64 reference, zeros and lse -inf for empty sequences, and the two merges the same to
-    within a float32 rounding of the weights."""
+    """Split counts the plan may give, merged inside a cluster (up to the GPU's largest
+    cluster: 16 on an H200; 12 a non-portable size) and by the merge kernel: the same results
+    as the jnp path and the float64 reference, zeros and lse -inf for empty sequences, and the
+    two merges bit for bit the same (the same sums in the same order)."""
     limit = ap._cluster_merge_splits(128)
     if cluster_merge and splits > limit:
         pytest.skip(f"this GPU merges at most {limit} splits in a cluster")
-    case = Case(seed=1250 + splits, lens=_SPLIT_LENS, num_kv_heads=2, pad_columns=0)
+    lens = _split_lens(3072 if splits == 12 else 2048)   # 12 splits of 256
+    case = Case(seed=1250 + splits, lens=lens, num_kv_heads=2, pad_columns=0)
     q = case.query(8, jnp.bfloat16)
     got = _forced_plan(case, q, gpu, splits, cluster_merge)
     ref = jax.device_get(paged_attention_jit(*jax.device_put(case.args(q), CPU), impl="jnp",
                                              **case.options, return_lse=True))
     _check_kernel(case, q, got, ref)
-    empty = np.asarray(_SPLIT_LENS) <= 0
+    empty = np.asarray(lens) <= 0
     np.testing.assert_array_equal(_f64(got[0][empty]), 0.0)
     assert np.isneginf(got[1][empty]).all()
-    other = _forced_plan(case, q, gpu, splits, not cluster_merge) if splits <= limit else None
-    if other is not None:
-        np.testing.assert_allclose(_f64(other[0]), _f64(got[0]), rtol=0, atol=2e-2)
-        np.testing.assert_allclose(other[1], got[1], rtol=0, atol=1e-5)
+    if splits <= limit:
+        other = _forced_plan(case, q, gpu, splits, not cluster_merge)
+        np.testing.assert_array_equal(other[0], got[0])
+        np.testing.assert_array_equal(other[1], got[1])
 
 
 @pytest.mark.gpu
 def test_gpu_plan_merges_in_a_cluster(gpu):
     """On an sm_90 GPU the decode kernel merges up to 16 splits in a cluster, and batch 1 x 4096
     (8 of 32 heads: 128 CTAs) takes 16 of them: no merge kernel."""
+    if gpu.compute_capability.split(".")[0] != "9":
+        pytest.skip("the cluster size limits are an sm_90 GPU's")
     limit = ap._cluster_merge_splits(128)
     assert limit == 16, limit
     assert ap.plan_splits(1, 1, 8, 32, 4096, _sm_count(gpu), ap._resident_ctas(128),
@@ -838,11 +850,40 @@ def test_gpu_plan_merges_in_a_cluster(gpu):
 def test_gpu_invalid_scale_in_every_merge(gpu, splits, cluster_merge, which, bad):
     """The kernel applies the readers' invalid-scale rule itself, with one split, a cluster
     merge and the merge kernel: every output and lse NaN, empty sequences' included."""
+    if cluster_merge and splits > ap._cluster_merge_splits(128):
+        pytest.skip("this GPU does not place clusters of that size")
     case = Case(seed=1260, lens=_SPLIT_LENS, num_kv_heads=2, pad_columns=0)
     q = case.query(8, jnp.float16)
     out, lse = _forced_plan(case, q, gpu, splits, cluster_merge,
                             **{f"{which}_scale": bad})
     assert np.isnan(_f64(out)).all() and np.isnan(lse).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [(40, 1, 0, 700), (3000, 1, 0, 2500) * 16])
+def test_gpu_per_member_invalid_scale(gpu, lens):
+    """vmap over three members with their own k_scale, the middle one invalid: that member's
+    outputs and lse all NaN (its empty sequences' too), the others the jnp path's. Few
+    sequences (the plan merges splits in a cluster) and many (the merge kernel)."""
+    case = Case(seed=1270 + len(lens), lens=lens, num_kv_heads=2)
+    splits, _, cluster = ap.decode_plan(3, len(lens), 2, 8, 128, case.max_blocks * 16)
+    assert splits > 1 and cluster == (len(lens) == 4), (splits, cluster)
+    q, cache, tables, seq_lens, ks, vs = case.args(case.query(8, jnp.bfloat16))
+    k_scales = jnp.stack([ks, jnp.float32(0.0), ks * 2])
+    members = (jnp.stack([q] * 3), jnp.stack([cache] * 3), k_scales)
+
+    def run(impl, device):
+        fn = jax.jit(jax.vmap(lambda q, c, k: nv.paged_attention(
+            q, c, tables, seq_lens, k, vs, **case.options, impl=impl, return_lse=True)))
+        return jax.device_get(fn(*jax.device_put(members, device)))
+
+    out, lse = run("kernel", gpu)
+    ref_out, ref_lse = run("jnp", CPU)
+    assert np.isnan(_f64(out[1])).all() and np.isnan(lse[1]).all()
+    assert np.isnan(_f64(ref_out[1])).all() and np.isnan(ref_lse[1]).all()
+    for m in (0, 2):
+        assert_out_close(out[m], ref_out[m], q.dtype, roundings=2)
+        assert_lse_close(lse[m], ref_lse[m], kernel_lse_tol(case, q, None))
 
 
 @pytest.mark.gpu

@@ -461,9 +461,9 @@ def test_plan_one_token_splits_is_the_decode_readers_plan():
     from jax_nvfp4 import attention_primitive as ap
     for stacked, seqs, kv, hq, tokens in ((1, 32, 8, 32, 8192), (1, 1, 8, 32, 32768),
                                           (2, 16, 2, 8, 1000)):
-        assert rp.plan_one_token_splits(stacked, seqs, kv, hq, 128, tokens) == ap.plan_splits(
-            stacked, seqs, kv, hq, tokens, ap._sm_count(), ap._resident_ctas(128))
-    assert rp.plan_one_token_splits(1, 0, 8, 32, 128, 8192) == (0, 0)
+        assert rp.plan_one_token_splits(stacked, seqs, kv, hq, 128, tokens) == ap.decode_plan(
+            stacked, seqs, kv, hq, 128, tokens)
+    assert rp.plan_one_token_splits(1, 0, 8, 32, 128, 8192) == (0, 0, False)
 
 
 # =============================================================================== GPU

@@ -2,8 +2,9 @@
 
 A valid global scale is a float32 in [MIN_SCALE, MAX_SCALE] = [2**-126, 2**116]. Any other
 (zero of either sign, negative, NaN, +-Inf, subnormal, larger than 2**116) counts as NaN on
-every backend (the jnp paths replace it, the store kernels and the decode kernel apply the
-rule themselves), so:
+every backend (the jnp store and dequantize replace it by NaN, the jnp readers and the ragged
+kernels' call select NaN over their results, the store kernels and the decode kernel apply
+the rule themselves), so:
 
 * the store writes, for every stored (token, head) of that side, the NaN block scale 0x7F and
   the code +-6 with the input's sign: those rows read back as NaN with any scale, and the kernel
@@ -231,6 +232,35 @@ def test_gpu_kernel_is_nan_with_an_invalid_scale(which, bad):
     args[4 if which == "k_scale" else 5] = jax.device_put(jnp.float32(INVALID[bad]), gpu)
     out, lse = jax.jit(functools.partial(jax_nvfp4.paged_attention, **case.options,
                                          impl="kernel", return_lse=True))(*args)
+    assert np.isnan(np.asarray(out, np.float32)).all() and np.isnan(np.asarray(lse)).all()
+
+
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("which,bad", [("k_scale", "0"), ("v_scale", "NaN"),
+                                       ("k_scale", "subnormal 1e-40")])
+def test_ragged_paged_attention_is_nan_with_an_invalid_scale(platform, which, bad):
+    """Every row of a ragged call (prefill chunks, drafts, one-token sequences, padding tokens)
+    is NaN, lse too, on the jnp path and (GPU) the kernels; also with no sequence rows at all
+    (max_num_seqs 0: zeros otherwise)."""
+    from ragged_cases import RaggedCase
+    device = jax.devices(platform)[0]
+    case = RaggedCase(17, ((300, 40), (200, 3), (90, 1), (0, 1), (700, 1)))
+    q = case.query(8, jnp.bfloat16)
+    args = list(case.args(q))
+    args[6 if which == "k_scale" else 7] = jnp.float32(INVALID[bad])
+    impls = ["jnp", "auto"] + (["kernel"] if platform == "gpu" else [])
+    for impl in impls:
+        out, lse = jax.jit(functools.partial(jax_nvfp4.ragged_paged_attention, **case.options,
+                                             impl=impl, return_lse=True))(
+            *jax.device_put(args, device))
+        assert np.isnan(np.asarray(out, np.float32)).all(), impl
+        assert np.isnan(np.asarray(lse)).all(), impl
+    # No sequence rows: the jnp path's early return follows the rule too.
+    empty = (q[:3], case.cache, jnp.zeros((0, 4), jnp.int32), jnp.zeros((0,), jnp.int32),
+             jnp.zeros((1,), jnp.int32), jnp.int32(0), jnp.float32(INVALID[bad]),
+             case.v_scale)
+    out, lse = jax_nvfp4.ragged_paged_attention(*jax.device_put(empty, device), **case.options,
+                                                impl="jnp", return_lse=True)
     assert np.isnan(np.asarray(out, np.float32)).all() and np.isnan(np.asarray(lse)).all()
 
 
