@@ -175,17 +175,6 @@ struct PageView {
 // ------------------------------------------------------------------------------------------
 // q and the output in their dtypes.
 
-__device__ __forceinline__ float load_q(const void* q, QType type, int64_t i) {
-  switch (type) {
-    case QType::kBF16:
-      return __bfloat162float(__ushort_as_bfloat16(static_cast<const uint16_t*>(q)[i]));
-    case QType::kF16:
-      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(q)[i]));
-    default:
-      return static_cast<const float*>(q)[i];
-  }
-}
-
 __device__ __forceinline__ void store_out(void* out, QType type, int64_t i, float x) {
   switch (type) {
     case QType::kBF16:
@@ -223,7 +212,6 @@ __device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, fl
     }
   }
 }
-
 
 // The power-of-two exponent e that puts amax * 2^e in [2^14, 2^15) (0 for 0, Inf, NaN): q
 // rounded to fp16 after it keeps 11 significant bits and cannot overflow.

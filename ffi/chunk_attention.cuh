@@ -114,7 +114,8 @@ __device__ __forceinline__ void chunk_scores(const Chunk<kHead>& c, const QFragm
   using S = Shape<kHead>;
   // Two accumulator chains per n-tile where one n-tile alone would wait on its MMAs. With two
   // n-tiles (the few-row kernel) two chains each also fit (245 registers either way, no
-  // spills), not yet timed: -DNVFP4_TWO_N_TILE_CHAINS=2 in CMAKE_CUDA_FLAGS builds it.
+  // spills) but measured within noise of one (H200, spec 32x4: 175.6 against 181.6 us, spread
+  // 4.9%: benchmarks/NOTES.md): -DNVFP4_TWO_N_TILE_CHAINS=2 in CMAKE_CUDA_FLAGS builds it.
 #ifndef NVFP4_TWO_N_TILE_CHAINS
 #define NVFP4_TWO_N_TILE_CHAINS 1
 #endif

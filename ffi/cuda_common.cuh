@@ -44,23 +44,34 @@ inline xla::ffi::Error CudaError(const char* operation, const char* what, cudaEr
                                                              cudaGetErrorString(error));
 }
 
-// Sets a kernel's function attributes once per device (they belong to the device's module, and
-// setting them on every launch would cost two driver calls a step): `bytes` of dynamic shared
-// memory (more than the default 48 KB) and all of L1 as shared memory where possible.
-template <auto kKernel>
-cudaError_t ConfigureSharedMemory(int bytes) {
-  static std::atomic<uint64_t> configured{0};  // a bit per device (devices 64+: every time)
+// Runs `set` (-> cudaError_t) once per device that it succeeds on, `done` holding a bit per
+// device (devices 64+: every time). For function attributes: they belong to the device's
+// module, and setting them on every launch would cost driver calls a step.
+template <typename Set>
+cudaError_t OncePerDevice(std::atomic<uint64_t>& done, Set&& set) {
   int device = 0;
   cudaError_t error = cudaGetDevice(&device);
   if (error != cudaSuccess) return error;
   const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit && (configured.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  error = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (error == cudaSuccess)
-    error = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-  if (error == cudaSuccess) configured.fetch_or(bit, std::memory_order_release);
+  if (bit && (done.load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  error = set();
+  if (error == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
   return error;
+}
+
+// A kernel's `bytes` of dynamic shared memory (more than the default 48 KB) and all of L1 as
+// shared memory where possible, once per device.
+template <auto kKernel>
+cudaError_t ConfigureSharedMemory(int bytes) {
+  static std::atomic<uint64_t> configured{0};
+  return OncePerDevice(configured, [&] {
+    cudaError_t error =
+        cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error == cudaSuccess)
+      error = cudaFuncSetAttribute(kKernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+    return error;
+  });
 }
 
 // CTAs of `kernel` (launched with `threads` threads and `smem_bytes` of dynamic shared memory,

@@ -254,8 +254,7 @@ __global__ void __launch_bounds__(kHead) MergeKernel(const DecodeProblem p) {
   const int active = min((seq_len + p.tokens_per_split - 1) / p.tokens_per_split, p.num_splits);
   const int d = threadIdx.x;
   if (active == 0) {
-    store_out(p.out, p.q_type, out_row * kHead + d, 0.f);
-    if (d == 0) p.lse[out_row] = -INFINITY;
+    fill_rows<kHead>(p.out, p.q_type, p.lse, out_row, 1, 0.f, -INFINITY);
     return;
   }
   float lse2;
@@ -280,16 +279,11 @@ int64_t CtasPerSplit(const DecodeProblem& p) {
 // device.
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t AllowLargeClusters() {
-  static std::atomic<uint64_t> allowed{0};  // a bit per device (devices 64+: every time)
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  const uint64_t bit = device < 64 ? uint64_t(1) << device : 0;
-  if (bit && (allowed.load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  error = cudaFuncSetAttribute(DecodeKernel<kHead, kSwizzle, kLayout>,
-                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  if (error == cudaSuccess) allowed.fetch_or(bit, std::memory_order_release);
-  return error;
+  static std::atomic<uint64_t> allowed{0};
+  return OncePerDevice(allowed, [] {
+    return cudaFuncSetAttribute(DecodeKernel<kHead, kSwizzle, kLayout>,
+                                cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  });
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -385,8 +379,8 @@ int ClusterMergeSplitsFor() {
 }
 
 int ClusterMergeSplits(int64_t head_size) {
-  return WithHeadSize(head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); },
-                      0);
+  return WithHeadSize(
+      head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); }, 0);
 }
 
 ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,

@@ -77,6 +77,14 @@ inline constexpr int64_t kDecodeSplitStep = 128;
 // asks through _ffi.decode_cluster_merge_splits).
 inline constexpr int32_t kMaxClusterSplits = 16;
 
+// What is wrong with merging `splits` splits in a cluster ("" if nothing): 2 to
+// kMaxClusterSplits (whether this GPU places that many is the handlers' launch-time check).
+inline std::string ClusterMergeRangeError(const char* attribute, int32_t splits) {
+  if (splits >= 2 && splits <= kMaxClusterSplits) return "";
+  return std::string(attribute) + " takes 2 to " + std::to_string(kMaxClusterSplits) +
+         " splits";
+}
+
 inline ffi::Error DecodeArgumentError(const std::string& message) {
   return ArgumentError("paged_attention", message);
 }
@@ -115,9 +123,9 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
     return DecodeArgumentError(
         "num_splits x tokens_per_split (a multiple of 128) must cover the block table, every "
         "split starting inside it");
-  if (cluster_merge && (num_splits < 2 || num_splits > kMaxClusterSplits))
-    return DecodeArgumentError("cluster_merge takes 2 to " + std::to_string(kMaxClusterSplits) +
-                               " splits");
+  const std::string cluster_error =
+      cluster_merge ? ClusterMergeRangeError("cluster_merge", num_splits) : "";
+  if (!cluster_error.empty()) return DecodeArgumentError(cluster_error);
   const int64_t partial = num_splits > 1 && !cluster_merge ? num_splits : 0;
   if (lse->element_count() != size_t(stacked * batch * num_q_heads) ||
       partial_out->element_count() != size_t(stacked * batch * num_q_heads * partial * head_size) ||

@@ -153,9 +153,9 @@ inline ffi::Error MakeRaggedProblem(
     return RaggedArgumentError(
         "few_rows_only needs 1 <= max_q_len x the GQA group <= 16, a head size <= 128 and no "
         "decode launch (decode_splits == 0)");
-  if (decode_cluster_merge && (decode_splits < 2 || decode_splits > kMaxClusterSplits))
-    return RaggedArgumentError("decode_cluster_merge takes 2 to " +
-                               std::to_string(kMaxClusterSplits) + " decode splits");
+  const std::string cluster_error =
+      decode_cluster_merge ? ClusterMergeRangeError("decode_cluster_merge", decode_splits) : "";
+  if (!cluster_error.empty()) return RaggedArgumentError(cluster_error);
   const int64_t decode_partial = decode_splits > 1 && !decode_cluster_merge ? decode_splits : 0;
   const int64_t decode_rows = stacked * max_num_seqs * num_q_heads;
   if (decode_partial_out->element_count() != size_t(decode_rows * decode_partial * head_size) ||

@@ -133,8 +133,8 @@ def scale_from_amax(amax, *, fallback=1.0, headroom=6.0):
     the result is the correctly rounded quotient whenever ``d`` is a float32 (``headroom`` 1,
     6, any power of two times either, ...): exactly ``amax / 448`` for 6 and ``amax / 2688``
     for 1, the same bits on every backend (the division is done in integers: XLA's float32
-    division on GPUs is not correctly rounded). The result is always a valid scale (a float32 in ``[MIN_SCALE, MAX_SCALE]``), never
-    0, NaN or Inf, whatever ``headroom``:
+    division on GPUs is not correctly rounded). The result is always a valid scale (a float32
+    in ``[MIN_SCALE, MAX_SCALE]``), never 0, NaN or Inf, whatever ``headroom``:
 
     * an ``amax`` of 0 (an all-zero or all-padding calibration batch), or one that is negative,
       NaN, infinite or below the smallest normal float32 (data the store flushes to zero

@@ -242,10 +242,10 @@ def sanitize_scale(s):
 
     This is the contract for a bad k_scale/v_scale, the same on every backend: the jnp store
     and ``dequantize`` apply it here, the store kernels (C++ and CUDA, ffi/store_kernel.h) the
-    same rule themselves. The store quantises with a NaN scale, which writes the NaN block scale byte
-    (0x7F) and code +-6 (the input's sign) for every stored value, so those rows read back as
-    NaN whatever scale they are read with; the readers return NaN (:func:`nan_if_invalid`). A
-    bad scale never quietly reads back as zeros."""
+    same rule themselves. The store quantises with a NaN scale, which writes the NaN block
+    scale byte (0x7F) and code +-6 (the input's sign) for every stored value, so those rows
+    read back as NaN whatever scale they are read with; the readers return NaN
+    (:func:`nan_if_invalid`). A bad scale never quietly reads back as zeros."""
     import jax.numpy as jnp
 
     return jnp.where(scale_is_valid(s), s, jnp.float32(jnp.nan))

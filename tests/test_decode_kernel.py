@@ -70,6 +70,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_nvfp4 as nv
 from jax_nvfp4 import attention_primitive as ap
+from jax_nvfp4 import layout as nv_layout
 from jax_nvfp4 import sharding as shd
 
 import hlo_checks as hc
@@ -776,8 +777,8 @@ def _forced_plan(case, q, gpu, splits, cluster_merge, *, k_scale=None, v_scale=N
     ks = ks if k_scale is None else jnp.float32(k_scale)
     vs = vs if v_scale is None else jnp.float32(v_scale)
     capacity = tables.shape[1] * case.block_size
-    per_split = -(-(-(-capacity // splits)) // 128) * 128
-    assert -(-capacity // per_split) == splits, (capacity, splits, per_split)
+    per_split = math.ceil(math.ceil(capacity / splits) / 128) * 128   # a multiple of 128
+    assert math.ceil(capacity / per_split) == splits, (capacity, splits, per_split)
     lead = lambda x: jnp.reshape(jnp.asarray(x), (1,) + tuple(jnp.shape(x)))  # noqa: E731
     sm_scale = jnp.float32(1.0 / math.sqrt(case.head_size))
     args = [lead(x) for x in (q, cache, tables, lens)] + [
@@ -785,7 +786,7 @@ def _forced_plan(case, q, gpu, splits, cluster_merge, *, k_scale=None, v_scale=N
     call = jax.ffi.ffi_call(ap.DECODE_TARGET, ap.split_kv_results(args[0], splits,
                                                                   cluster_merge))
     fn = jax.jit(lambda *a: call(
-        *a, layout=np.int32(("HND", "NHD").index(case.layout)),
+        *a, layout=np.int32(nv_layout.LAYOUTS.index(case.layout)),
         v_scale_swizzle=bool(case.swizzle), num_splits=np.int32(splits),
         tokens_per_split=np.int32(per_split), cluster_merge=cluster_merge)[:2])
     out, lse = jax.device_get(fn(*jax.device_put(args, gpu)))
