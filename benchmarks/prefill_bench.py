@@ -21,8 +21,8 @@ Methods, all in one run: ``ragged`` (jax_nvfp4.ragged_paged_attention, impl="aut
 kernel on a GPU, the jnp path elsewhere); ``ragged_bound`` (speculative points: the same call
 with ``max_q_len`` = the point's query tokens, which a verify step knows, so the few-row kernel
 serves it alone: the targets take the faster of the two ragged rows); ``dense``
-(jax.nn.dot_product_attention over dense bf16 caches [B, L, 8, 128] holding the dequantised values of the NVFP4 pages of call 0, causal
-with the offset: query i of a q-token chunk over L keys sees keys <= L - q + i. cuDNN's masks
+(jax.nn.dot_product_attention over dense bf16 caches [B, L, 8, 128] holding the dequantised
+values of the NVFP4 pages of call 0, causal with the offset: query i of a q-token chunk over L keys sees keys <= L - q + i. cuDNN's masks
 through JAX (fused_attention_stablehlo.MaskType: NO_MASK, PADDING, CAUSAL, PADDING_CAUSAL,
 ALIBI) have no bottom-right causal and JAX's is_causal is top-left (tril of [T, S]), so the
 exact mask is two cuDNN calls: the cached keys with no mask and the chunk's own q x q block with
