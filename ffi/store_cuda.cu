@@ -35,6 +35,13 @@ struct WorkShape {
 // threads take consecutive block groups of a head vector, then heads, then K/V, then tokens,
 // so the loads (16 bytes each) and the packed stores are contiguous across a warp. Work items
 // and slots are below 2^31 (the handler checks), so index arithmetic is 32-bit.
+//
+// One work item per thread (the grid covers them all): a CTA lives for one item, so what it
+// waits for is on the critical path of every CTA. A thread issues its slot and its input loads
+// first, all independent of each other and of the global scale, and only then waits for the
+// CTA's store factor and looks at its slot: one memory round trip instead of three in a row
+// (scale, then slot, then inputs). The inputs of a token with a skipped slot are read too (they
+// are the call's own operands, never the cache) and not used.
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
@@ -43,56 +50,55 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   // scales (the common case), not one per thread.
   __shared__ StoreFactor shared_factor[2];
   const bool shared_scales = p.scales_layer_stride == 0;
+  const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool live = work < num_work;
+
+  uint32_t group, head, token;
+  uint32_t rest = shape.blocks_per_head.divmod(live ? work : 0u, &group);
+  rest = shape.num_kv_heads.divmod(rest, &head);
+  const int side = int(rest & 1u);
+  const uint32_t layer = shape.num_tokens.divmod(rest >> 1, &token);
+  const uint32_t first = group * kBlocks;
+  const int64_t slot = live ? p.valid_slot(layer, token) : -1;
+  const uint4* src = reinterpret_cast<const uint4*>(
+      static_cast<const uint16_t*>(side == 0 ? p.key : p.value) +
+      p.input_offset(layer, token, head, first));
+  // 32 bytes per block, 32-byte aligned: all loads issued before any use.
+  uint4 in[2 * kBlocks];
+#pragma unroll
+  for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
+
   if (shared_scales) {
     if (threadIdx.x < 2) shared_factor[threadIdx.x] = p.factor(0, int(threadIdx.x));
     __syncthreads();
   }
-  for (uint32_t work = blockIdx.x * blockDim.x + threadIdx.x; work < num_work;
-       work += gridDim.x * blockDim.x) {
-    uint32_t group, head, token;
-    uint32_t rest = shape.blocks_per_head.divmod(work, &group);
-    rest = shape.num_kv_heads.divmod(rest, &head);
-    const int side = int(rest & 1u);
-    const uint32_t layer = shape.num_tokens.divmod(rest >> 1, &token);
-
-    const int64_t slot = p.valid_slot(layer, token);
-    if (slot < 0) continue;
-    uint32_t row;
-    const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
-    const StoreFactor factor = shared_scales ? shared_factor[side] : p.factor(layer, side);
-
-    const uint32_t first = group * kBlocks;
-    const uint4* src = reinterpret_cast<const uint4*>(
-        static_cast<const uint16_t*>(side == 0 ? p.key : p.value) +
-        p.input_offset(layer, token, head, first));
-    // 32 bytes per block, 32-byte aligned: all loads issued before any use.
-    uint4 in[2 * kBlocks];
-#pragma unroll
-    for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
+  if (slot < 0) return;
+  uint32_t row;
+  const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
+  const StoreFactor factor = shared_scales ? shared_factor[side] : p.factor(layer, side);
 
 #pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk) {
-      const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
-                                 in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
-                                 in[2 * blk + 1].z, in[2 * blk + 1].w};
-      float x[kBlockElems];
+  for (int blk = 0; blk < kBlocks; ++blk) {
+    const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
+                               in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
+                               in[2 * blk + 1].z, in[2 * blk + 1].w};
+    float x[kBlockElems];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
-        x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
-      }
-      const QuantizedBlock q = quantize_block(x, factor, kSearch);
-      const BlockPlacement at =
-          place_block(p, layer, block, int32_t(row), side, head, int32_t(first + blk));
-      if (aligned_data) {
-        *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kBlockBytes; ++k)
-          p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
-      }
-      p.kv_cache[at.scale] = q.scale;
+    for (int i = 0; i < 8; ++i) {
+      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
+      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
     }
+    const QuantizedBlock q = quantize_block(x, factor, kSearch);
+    const BlockPlacement at =
+        place_block(p, layer, block, int32_t(row), side, head, int32_t(first + blk));
+    if (aligned_data) {
+      *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kBlockBytes; ++k)
+        p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
+    }
+    p.kv_cache[at.scale] = q.scale;
   }
 }
 
