@@ -125,6 +125,12 @@ void LaunchForSearch(cudaStream_t stream, const StoreProblem& p, int64_t num_blo
     Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, aligned_data);
 }
 
+// The launch's error, if any, as the handler's result.
+ffi::Error LaunchStatus() {
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
+  return ffi::Error::Success();
+}
 
 ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer value,
                      ffi::Buffer<ffi::U8> kv_cache, ffi::AnyBuffer slot_mapping,
@@ -151,8 +157,20 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   // 8-byte stores need every page side to start 8-byte aligned.
   const bool aligned_data = p.page.side_bytes() % kBlockBytes == 0;
   // Two blocks a thread where a head vector has an even number of them: more loads in flight
-  // and the index arithmetic shared.
-  const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0;
+  // and the index arithmetic shared. -DNVFP4_STORE_FOUR_BLOCKS=1 in CMAKE_CUDA_FLAGS builds four
+  // where a head vector's block count allows it (an experiment: benchmarks/NOTES.md, store v10).
+#ifndef NVFP4_STORE_FOUR_BLOCKS
+#define NVFP4_STORE_FOUR_BLOCKS 0
+#endif
+  const int64_t head_blocks = p.page.head_size / kBlockElems;
+  const bool pairs = head_blocks % 2 == 0;
+  if constexpr (NVFP4_STORE_FOUR_BLOCKS != 0) {
+    if (head_blocks % 4 == 0) {
+      if (p.is_f16) LaunchForSearch<true, 4>(stream, p, num_blocks_total, aligned_data);
+      else LaunchForSearch<false, 4>(stream, p, num_blocks_total, aligned_data);
+      return LaunchStatus();
+    }
+  }
   if (p.is_f16) {
     if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, aligned_data);
     else LaunchForSearch<true, 1>(stream, p, num_blocks_total, aligned_data);
@@ -160,9 +178,7 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
     if (pairs) LaunchForSearch<false, 2>(stream, p, num_blocks_total, aligned_data);
     else LaunchForSearch<false, 1>(stream, p, num_blocks_total, aligned_data);
   }
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
-  return ffi::Error::Success();
+  return LaunchStatus();
 }
 
 __global__ void E2m1SelfCheckKernel(unsigned long long* mismatches) {
