@@ -157,20 +157,9 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   // 8-byte stores need every page side to start 8-byte aligned.
   const bool aligned_data = p.page.side_bytes() % kBlockBytes == 0;
   // Two blocks a thread where a head vector has an even number of them: more loads in flight
-  // and the index arithmetic shared. -DNVFP4_STORE_FOUR_BLOCKS=1 in CMAKE_CUDA_FLAGS builds four
-  // where a head vector's block count allows it (an experiment: benchmarks/NOTES.md, store v10).
-#ifndef NVFP4_STORE_FOUR_BLOCKS
-#define NVFP4_STORE_FOUR_BLOCKS 0
-#endif
-  const int64_t head_blocks = p.page.head_size / kBlockElems;
-  const bool pairs = head_blocks % 2 == 0;
-  if constexpr (NVFP4_STORE_FOUR_BLOCKS != 0) {
-    if (head_blocks % 4 == 0) {
-      if (p.is_f16) LaunchForSearch<true, 4>(stream, p, num_blocks_total, aligned_data);
-      else LaunchForSearch<false, 4>(stream, p, num_blocks_total, aligned_data);
-      return LaunchStatus();
-    }
-  }
+  // and the index arithmetic shared. (Four measured 1.7x slower on an H200: benchmarks/NOTES.md,
+  // store v10.)
+  const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0;
   if (p.is_f16) {
     if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, aligned_data);
     else LaunchForSearch<true, 1>(stream, p, num_blocks_total, aligned_data);
