@@ -88,4 +88,26 @@ int ResidentCtasPerSm(Kernel kernel, int threads, int smem_bytes) {
   return ctas;
 }
 
+// Asynchronous global -> shared copies (cp.async, sm_80 and up), zero-filled without reading
+// when !valid. The commit and the wait are compiler memory barriers too: shared memory the
+// copies fill is read after the wait, not before.
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
+  const uint32_t n = valid ? kBytes : 0;
+  if constexpr (kBytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src), "r"(n));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
+                 :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src), "n"(kBytes), "r"(n));
+}
+__device__ __forceinline__ void copy_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void copy_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending) : "memory");
+}
+
 }  // namespace nvfp4

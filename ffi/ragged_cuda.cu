@@ -121,24 +121,6 @@ __device__ __forceinline__ int kv_chunk(int p, int c) {
   return (c >> 3) * RaggedShape<kHead>::kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
 }
 
-// Asynchronous global -> shared copies (cp.async), zero-filled without reading when !valid.
-template <int kBytes>
-__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
-  static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
-  const uint32_t n = valid ? kBytes : 0;
-  if constexpr (kBytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(shared_address(dst)), "l"(src), "r"(n));
-  else
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
-                 :: "r"(shared_address(dst)), "l"(src), "n"(kBytes), "r"(n));
-}
-__device__ __forceinline__ void copy_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int kPending>
-__device__ __forceinline__ void copy_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending));
-}
-
 // ------------------------------------------------------------------------------------------
 // The tile a CTA works on.
 

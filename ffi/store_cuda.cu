@@ -3,6 +3,9 @@
 // Blackwell write the same bytes as the CPU kernel and the jnp reference.
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
+
 #include "cuda_common.cuh"
 #include "handlers.h"
 #include "store_ffi.h"
@@ -31,11 +34,70 @@ struct WorkShape {
   FastDivmod block_size;
 };
 
-// One thread quantises kBlocks consecutive 16-element blocks of one head vector. Consecutive
-// threads take consecutive block groups of a head vector, then heads, then K/V, then tokens,
-// so the loads (16 bytes each) and the packed stores are contiguous across a warp. Work items
-// and slots are below 2^31 (the handler checks), so index arithmetic is 32-bit.
-//
+// A work item: kBlocks consecutive 16-element blocks of one head vector. Consecutive items are
+// consecutive block groups of a head vector, then heads, then K/V, then tokens, so that the
+// loads (16 bytes each) and the packed stores of consecutive threads are contiguous across a
+// warp. Work items and slots are below 2^31 (the handler checks), so index arithmetic is
+// 32-bit.
+struct WorkItem {
+  uint32_t first;  // the item's first block in its head vector
+  uint32_t head, token, layer;
+  int side;        // 0: K, 1: V
+};
+
+template <int kBlocks>
+__device__ __forceinline__ WorkItem work_item(const WorkShape& shape, uint32_t work) {
+  WorkItem w;
+  uint32_t group;
+  uint32_t rest = shape.blocks_per_head.divmod(work, &group);
+  rest = shape.num_kv_heads.divmod(rest, &w.head);
+  w.side = int(rest & 1u);
+  w.layer = shape.num_tokens.divmod(rest >> 1, &w.token);
+  w.first = group * kBlocks;
+  return w;
+}
+
+// The item's inputs: 32 bytes per block, 32-byte aligned.
+__device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const WorkItem& w) {
+  return reinterpret_cast<const uint4*>(
+      static_cast<const uint16_t*>(w.side == 0 ? p.key : p.value) +
+      p.input_offset(w.layer, w.token, w.head, w.first));
+}
+
+// Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
+// cache at `slot` (>= 0).
+template <bool kIsF16, int kBlocks, ScaleSearch kSearch, typename OutScale>
+__device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShape& shape,
+                                           const WorkItem& w, int64_t slot,
+                                           const uint4 (&in)[2 * kBlocks], StoreFactor factor,
+                                           const OutScale& out_scale, bool aligned_data) {
+  uint32_t row;
+  const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) {
+    const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
+                               in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
+                               in[2 * blk + 1].z, in[2 * blk + 1].w};
+    float x[kBlockElems];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
+      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
+    }
+    const QuantizedBlock q = quantize_block(x, factor, kSearch, out_scale);
+    const BlockPlacement at =
+        place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
+    if (aligned_data) {
+      *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kBlockBytes; ++k)
+        p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
+    }
+    p.kv_cache[at.scale] = q.scale;
+  }
+}
+
 // One work item per thread (the grid covers them all): a CTA lives for one item, so what it
 // waits for is on the critical path of every CTA. A thread issues its slot and its input loads
 // first, all independent of each other and of the global scale, and only then waits for the
@@ -52,19 +114,10 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   const bool shared_scales = p.scales_layer_stride == 0;
   const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = work < num_work;
-
-  uint32_t group, head, token;
-  uint32_t rest = shape.blocks_per_head.divmod(live ? work : 0u, &group);
-  rest = shape.num_kv_heads.divmod(rest, &head);
-  const int side = int(rest & 1u);
-  const uint32_t layer = shape.num_tokens.divmod(rest >> 1, &token);
-  const uint32_t first = group * kBlocks;
-  const int64_t slot = live ? p.valid_slot(layer, token) : -1;
-  const uint4* src = reinterpret_cast<const uint4*>(
-      static_cast<const uint16_t*>(side == 0 ? p.key : p.value) +
-      p.input_offset(layer, token, head, first));
-  // 32 bytes per block, 32-byte aligned: all loads issued before any use.
-  uint4 in[2 * kBlocks];
+  const WorkItem w = work_item<kBlocks>(shape, live ? work : 0u);
+  const int64_t slot = live ? p.valid_slot(w.layer, w.token) : -1;
+  const uint4* src = item_input(p, w);
+  uint4 in[2 * kBlocks];  // all loads issued before any use
 #pragma unroll
   for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
 
@@ -73,34 +126,90 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     __syncthreads();
   }
   if (slot < 0) return;
-  uint32_t row;
-  const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
-  const StoreFactor factor = shared_scales ? shared_factor[side] : p.factor(layer, side);
-
-#pragma unroll
-  for (int blk = 0; blk < kBlocks; ++blk) {
-    const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
-                               in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
-                               in[2 * blk + 1].z, in[2 * blk + 1].w};
-    float x[kBlockElems];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
-      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
-    }
-    const QuantizedBlock q = quantize_block(x, factor, kSearch);
-    const BlockPlacement at =
-        place_block(p, layer, block, int32_t(row), side, head, int32_t(first + blk));
-    if (aligned_data) {
-      *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kBlockBytes; ++k)
-        p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
-    }
-    p.kv_cache[at.scale] = q.scale;
-  }
+  const StoreFactor factor = shared_scales ? shared_factor[w.side] : p.factor(w.layer, w.side);
+  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, DirectOutScale{factor},
+                                       aligned_data);
 }
+
+// The persistent form (built with -DNVFP4_STORE_PERSISTENT=1; benchmarks/NOTES.md, store v11,
+// not yet run on a GPU): as many CTAs as fit on the GPU at once, each thread taking items
+// work, work + stride, ... With the grid above, every CTA pays its start and the round trip of
+// its first loads, 15 times over per SM at 32768 tokens; here each thread copies the inputs of
+// its next item into its own slots of a two-stage shared-memory ring (cp.async: no registers
+// hold the bytes in flight; the 4-blocks-a-thread variant, which held 128 bytes in registers,
+// ran 1.7x slower) and loads its next slot while it quantises the current item. A thread reads
+// back only what it copied itself, so cp.async.wait_group orders it; no barrier in the loop.
+// With shared scales each CTA tabulates out_scale_of for the 256 scale bytes of K and of V
+// once (the same values: no division per block).
+constexpr int kRingStages = 2;
+
+template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
+__global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
+    PersistentStoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
+                          bool aligned_data) {
+  constexpr int kWords = 2 * kBlocks;  // 16-byte input words per item
+  // [stage][word][thread]: a warp's 16-byte accesses to one word are 512 contiguous bytes.
+  __shared__ uint4 ring[kRingStages][kWords][kThreadsPerBlock];
+  __shared__ float out_scale_table[2][256];
+  static_assert(kThreadsPerBlock == 256, "one thread per scale byte builds the table");
+  const bool shared_scales = p.scales_layer_stride == 0;
+  const uint32_t stride = gridDim.x * blockDim.x;  // < 2^31: the grid fits the GPU
+  const int t = int(threadIdx.x);
+
+  // Issues the copies of item `work` into ring stage `stage`; returns its slot (-1: skip; slots
+  // are below 2^31, the handler checks).
+  const auto start_item = [&](uint32_t work, int stage) -> int32_t {
+    const WorkItem w = work_item<kBlocks>(shape, work);
+    const uint4* src = item_input(p, w);
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) copy_async<16>(&ring[stage][i][t], src + i, true);
+    return int32_t(p.valid_slot(w.layer, w.token));
+  };
+
+  uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
+  int32_t slot = work < num_work ? start_item(work, 0) : -1;
+  copy_async_commit();
+
+  // (two scalars, not an array indexed by the side: that went to local memory)
+  StoreFactor k_factor{}, v_factor{};
+  if (shared_scales) {
+    k_factor = p.factor(0, 0);
+    v_factor = p.factor(0, 1);
+    out_scale_table[0][t] = out_scale_of(uint8_t(t), k_factor);
+    out_scale_table[1][t] = out_scale_of(uint8_t(t), v_factor);
+    __syncthreads();
+  }
+
+  for (int stage = 0; work < num_work; work += stride, stage ^= 1) {
+    // The next item's copies and slot load go out before this item is quantised (its indices
+    // are recomputed below rather than kept: registers are what this kernel is short of).
+    const uint32_t next = work + stride;  // < 2^32: both terms are below 2^31
+    const int32_t slot_next = next < num_work ? start_item(next, stage ^ 1) : -1;
+    copy_async_commit();
+    copy_async_wait<1>();  // this item's copies have landed
+    if (slot >= 0) {
+      const WorkItem w = work_item<kBlocks>(shape, work);
+      uint4 in[kWords];
+#pragma unroll
+      for (int i = 0; i < kWords; ++i) in[i] = ring[stage][i][t];
+      if (shared_scales) {
+        store_item<kIsF16, kBlocks, kSearch>(
+            p, shape, w, slot, in, w.side == 0 ? k_factor : v_factor,
+            TabulatedOutScale{out_scale_table[w.side]}, aligned_data);
+      } else {
+        const StoreFactor factor = p.factor(w.layer, w.side);
+        store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor,
+                                             DirectOutScale{factor}, aligned_data);
+      }
+    }
+    slot = slot_next;
+  }
+  copy_async_wait<0>();
+}
+
+#ifndef NVFP4_STORE_PERSISTENT
+#define NVFP4_STORE_PERSISTENT 0
+#endif
 
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
@@ -111,6 +220,22 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.num_tokens)),
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
+  if (NVFP4_STORE_PERSISTENT) {
+    const auto kernel = PersistentStoreKernel<kIsF16, kBlocks, kSearch>;
+    static std::atomic<int> resident{0};  // CTAs on the GPU at once (first device asked)
+    if (resident.load(std::memory_order_relaxed) == 0) {
+      int device = 0, sms = 0;
+      if (cudaGetDevice(&device) == cudaSuccess &&
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
+        resident.store(sms * ResidentCtasPerSm(kernel, kThreadsPerBlock, 0),
+                       std::memory_order_relaxed);
+      cudaGetLastError();
+    }
+    const int64_t fit = resident.load(std::memory_order_relaxed);
+    kernel<<<fit > 0 ? std::min(grid, fit) : grid, kThreadsPerBlock, 0, stream>>>(
+        p, shape, uint32_t(num_work), aligned_data);
+    return;
+  }
   StoreKernel<kIsF16, kBlocks, kSearch>
       <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), aligned_data);
 }
