@@ -51,32 +51,46 @@ __device__ __forceinline__ int lane_dim(int g, int i) {
   return 2 * (kHead / 16) * g + 2 * i;
 }
 
-// One n-tile's q: lane (g, q) reads the row whose elements start at q + q_at (column g; zeros
-// where !valid), dims q*D/4 .. +D/4, scales it by 2^e into fp16 and lays it out as the B
-// fragments of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}, the order of the
-// K fragments). score_scale gets the scales of the lane's columns 2q and 2q + 1:
+// One n-tile's q as a lane reads it: lane (g, q) holds the row whose elements start at q_at
+// (column g; zeros where !valid), dims q*D/4 .. +D/4, as floats. A step of its own so that a
+// kernel can issue these loads before it waits for anything else (decode_cuda.cu).
+template <int kHead>
+struct LaneQ {
+  float v[kHead / 4];
+};
+
+template <int kHead>
+__device__ __forceinline__ LaneQ<kHead> load_lane_q(const void* q, QType q_type, int64_t q_at,
+                                                    bool valid, int lane) {
+  constexpr int kDims = kHead / 4;
+  const int qd = lane & 3;
+  LaneQ<kHead> x;
+#pragma unroll
+  for (int i = 0; i < kDims; i += 8) {
+    if (valid) {
+      load_q8(q, q_type, q_at + qd * kDims + i, *reinterpret_cast<float(*)[8]>(x.v + i));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) x.v[i + k] = 0.f;
+    }
+  }
+  return x;
+}
+
+// The lane's q scaled by 2^e into fp16 (e from the row's amax) and laid out as the B fragments
+// of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}, the order of the K
+// fragments). score_scale gets the scales of the lane's columns 2q and 2q + 1:
 // k_scale * sm_scale * log2(e) * 2^(7 - e_row).
 template <int kHead>
-__device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t q_at, bool valid,
-                                            float k_times_sm_scale, int lane,
-                                            uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+__device__ __forceinline__ void q_fragments(const LaneQ<kHead>& x, float k_times_sm_scale,
+                                            int lane, uint32_t (&qf)[Shape<kHead>::kKTiles][2],
                                             float (&score_scale)[2]) {
   constexpr int kDims = kHead / 4;
   const int qd = lane & 3;
-  float qv[kDims];
+  const float* qv = x.v;
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < kDims; i += 8) {
-    float* x = qv + i;
-    if (valid) {
-      load_q8(q, q_type, q_at + qd * kDims + i, *reinterpret_cast<float(*)[8]>(x));
-    } else {
-#pragma unroll
-      for (int k = 0; k < 8; ++k) x[k] = 0.f;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(x[k]));
-  }
+  for (int i = 0; i < kDims; ++i) amax = fmaxf(amax, fabsf(qv[i]));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
   const int exponent = q_exponent(amax);
@@ -85,13 +99,23 @@ __device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t
   for (int w = 0; w < kDims / 8; ++w)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const float* x = qv + 8 * w + e;
-      qf[2 * w + e][0] = pack_f16x2(times(x[0]), times(x[4]));
-      qf[2 * w + e][1] = pack_f16x2(times(x[2]), times(x[6]));
+      const float* v = qv + 8 * w + e;
+      qf[2 * w + e][0] = pack_f16x2(times(v[0]), times(v[4]));
+      qf[2 * w + e][1] = pack_f16x2(times(v[2]), times(v[6]));
     }
   const float mine = ldexpf(k_times_sm_scale * kLog2e, 7 - exponent);
   score_scale[0] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd);      // column 2q: lane 4 * (2q)
   score_scale[1] = __shfl_sync(0xFFFFFFFFu, mine, 8 * qd + 4);  // column 2q + 1
+}
+
+// Both steps at once.
+template <int kHead>
+__device__ __forceinline__ void q_fragments(const void* q, QType q_type, int64_t q_at, bool valid,
+                                            float k_times_sm_scale, int lane,
+                                            uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+                                            float (&score_scale)[2]) {
+  q_fragments<kHead>(load_lane_q<kHead>(q, q_type, q_at, valid, lane), k_times_sm_scale, lane,
+                     qf, score_scale);
 }
 
 // q's B fragments, kept in registers through a warp's loop (in shared memory instead, the
@@ -268,24 +292,37 @@ __device__ __forceinline__ void chunk_accumulate(const Chunk<kHead>& c, WarpStat
   }
 }
 
+// The block-table entries of warp w's first chunk (positions begin + 32 w ..), for positions
+// below `end`: attend_chunks' `first`. A kernel may read them before it knows the sequence's
+// length, with `end` a bound on it (entries past the length are read, never used).
+template <int kHead, Layout kLayout>
+__device__ __forceinline__ TilePages<Shape<kHead>::kTiles> first_chunk_pages(
+    const PageView<kLayout>& pv, uint32_t begin, uint32_t end, int warp) {
+  return fetch_pages<Shape<kHead>::kTiles>(pv, begin + uint32_t(warp * Shape<kHead>::kChunk),
+                                           end);
+}
+
 // The chunk loop of one warp over positions [begin, end): warp w takes chunks w, w + 4, ...
 // One set of chunk registers: the next chunk's K is loaded as soon as this chunk's scores are
 // computed, its V once this chunk's values are accumulated; block-table entries are read a
-// chunk ahead of that. `mask_from`: chunks reaching past it are masked by the columns' limits
-// (positions past `end` are never loaded: zeros).
+// chunk ahead of that (the first chunk's, `first`, from first_chunk_pages). `mask_from`: chunks
+// reaching past it are masked by the columns' limits (positions past `end` are never loaded:
+// zeros).
 template <int kHead, bool kSwizzle, Layout kLayout, int kNT, typename QFragments>
 __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint32_t begin,
                                               uint32_t end, uint32_t mask_from,
                                               const uint32_t (&limit)[kNT][2],
                                               const QFragments& qf,
                                               const float (&score_scale)[kNT][2], int warp,
-                                              int lane, WarpState<kHead, kNT>& st) {
+                                              int lane,
+                                              const TilePages<Shape<kHead>::kTiles>& first,
+                                              WarpState<kHead, kNT>& st) {
   using S = Shape<kHead>;
   const int num_chunks = int((end - begin + S::kChunk - 1) / S::kChunk);
   const auto chunk_base = [&](int chunk) { return begin + uint32_t(chunk * S::kChunk); };
   Chunk<kHead> c;
   int chunk = warp;
-  TilePages<S::kTiles> pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk), end);
+  TilePages<S::kTiles> pages = first;
   if (chunk < num_chunks) {
     load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
     load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);

@@ -157,6 +157,33 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
 
   const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
   const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+
+  // What needs neither the sequence's length nor the scales is read before anything waits for
+  // those: this lane's q and the block-table entries of this warp's first chunk (up to the
+  // split's end in the table: entries past the length are read, never used). One memory round
+  // trip, with seq_len's and the scales', before the first pages are read, where the loads
+  // behind the branches below waited for them (benchmarks/NOTES.md, decode v6).
+  const LaneQ<kHead> lane_q =
+      load_lane_q<kHead>(p.q, p.q_type, (first_q_row + g) * kHead, g < heads_here, lane);
+  const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  PageView<kLayout> pv;
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables + (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
+             int64_t(b) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  pv.head_row = kLayout == Layout::kHND ? int32_t(kv_head) * block_size : int32_t(kv_head);
+  pv.num_kv_heads = num_kv_heads;
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.tile_in_page = block_size % 16 == 0;
+  const int32_t split_end = min(begin + p.tokens_per_split, max_tokens);
+  const TilePages<S::kTiles> first_pages =
+      first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(split_end), warp);
+
   if (!scale_is_valid(k_scale) || !scale_is_valid(v_scale)) {
     // The readers' rule for an invalid global scale: every output and lse NaN, empty
     // sequences' included (uniform over a cluster: one member's scales). With the merge kernel
@@ -184,25 +211,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     // q of this lane's head (column g) as the B fragments of S^T = K Q^T.
     RegisterQ<kHead, 1> qf;
     float score_scale[1][2];
-    q_fragments<kHead>(p.q, p.q_type, (first_q_row + g) * kHead, g < heads_here,
-                       k_scale * p.sm_scale[p.sm_scale_stacked ? member : 0], lane, qf.f[0],
-                       score_scale[0]);
-
-    const int32_t num_kv_heads = int32_t(p.page.num_kv_heads);
-    const int32_t side_bytes = int32_t(p.page.side_bytes());
-    PageView<kLayout> pv;
-    pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
-    pv.table = p.block_tables +
-               (p.tables_stacked ? int64_t(member) * p.batch : 0) * p.max_blocks +
-               int64_t(b) * p.max_blocks;
-    pv.page_bytes = 2 * int64_t(side_bytes);
-    pv.side_bytes = side_bytes;
-    pv.side_data = int32_t(p.page.side_data_bytes());
-    pv.head_row = kLayout == Layout::kHND ? int32_t(kv_head) * block_size : int32_t(kv_head);
-    pv.num_kv_heads = num_kv_heads;
-    pv.last_page = p.num_blocks - 1;
-    pv.block_size = grid.block_size;
-    pv.tile_in_page = block_size % 16 == 0;
+    q_fragments<kHead>(lane_q, k_scale * sm_scale, lane, qf.f[0], score_scale[0]);
 
     // Every head sees the split's positions [begin, end).
     WarpState<kHead, 1> st;
@@ -210,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     const uint32_t limit[1][2] = {{uint32_t(end), uint32_t(end)}};
     attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end),
                                                uint32_t(end), limit, qf, score_scale, warp,
-                                               lane, st);
+                                               lane, first_pages, st);
 
     __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
     merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,

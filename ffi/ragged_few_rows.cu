@@ -127,9 +127,9 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   // masked per row (every later row sees more).
   WarpState<kHead, kNT> st;
   init_state(st);
-  attend_chunks<kHead, kSwizzle, kLayout, kNT>(pv, uint32_t(begin), uint32_t(last_end),
-                                               row_end(0), limit, qf, score_scale, warp, lane,
-                                               st);
+  attend_chunks<kHead, kSwizzle, kLayout, kNT>(
+      pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
+      first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), st);
 
   const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
   merge_warps<kHead, kNT>(st, merge_smem, rows, warp, lane,
