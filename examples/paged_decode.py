@@ -37,7 +37,9 @@ sequence the k tokens the first k decode steps consumed (the prefill's token and
 drafts), stores their K/V and attends with ``ragged_paged_attention``, k query tokens per
 sequence; its k logits (which verify those drafts and the k-th) must equal those of the k
 token-by-token decode steps within ``MATCH_BOUNDS`` (and so pick the same tokens, but at a
-tie closer than that). It runs the same compiled step as the chunked prefill. (With
+tie closer than that). It is the chunked prefill's step compiled once more, for k tokens per
+sequence and with ``max_q_len=k``: an engine knows its verify step's query count, and the bound
+lets the GPU serve it with the few-row kernel alone (benchmarks/RESULTS.md). (With
 ``--teacher-force`` the decode consumed the bf16 run's tokens: those are the drafts then, and
 not all need be accepted.)
 
@@ -313,7 +315,7 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
     return jax.jit(step, donate_argnums=1)
 
 
-def make_ragged_step(cfg, trace_counter, impl="auto"):
+def make_ragged_step(cfg, trace_counter, impl="auto", max_q_len=None, name="ragged"):
     """The NVFP4 step over several tokens per sequence, compiled once for a fixed number of
     packed tokens: (params, caches, scales, tokens [T], positions [T], slot_mapping [T],
     block_tables [S, M], seq_lens [S], cu_q_lens [S + 1], num_seqs) -> (logits [T, vocab],
@@ -321,22 +323,24 @@ def make_ragged_step(cfg, trace_counter, impl="auto"):
 
     Per layer the tokens' K/V are stored first (``reshape_and_cache``; padding tokens have slot
     -1), then their queries attend causally with ``ragged_paged_attention`` over everything
-    their sequence has in the cache, themselves included. Chunked prefill and the speculative
-    verify step both run it; ``cu_q_lens``, ``num_seqs`` and ``seq_lens`` are device values, so
-    neither a different chunk nor a shrinking batch recompiles. ``trace_counter["ragged"]``
-    counts its traces.
+    their sequence has in the cache, themselves included. Chunked prefill runs it, and the
+    speculative verify step runs it compiled with ``max_q_len`` (no sequence has more query
+    tokens: the bound picks the GPU's fastest plan); ``cu_q_lens``, ``num_seqs`` and
+    ``seq_lens`` are device values, so neither a different chunk nor a shrinking batch
+    recompiles. ``trace_counter[name]`` counts its traces.
     """
 
     def step(params, caches, scales, tokens, positions, slot_mapping, block_tables, seq_lens,
              cu_q_lens, num_seqs):
-        trace_counter["ragged"] += 1
+        trace_counter[name] += 1
         x = params["embed"][tokens]                     # [T, d]
         new_caches = []
         for layer, cache, scale in zip(params["layers"], caches, scales):
             q, k, v = qkv(cfg, layer, x, positions)     # [T, heads, D]
             cache = store(cfg, "nvfp4", k, v, cache, slot_mapping, scale)
             attn = ragged_paged_attention(q, cache, block_tables, seq_lens, cu_q_lens, num_seqs,
-                                          *scale, layout=cfg.layout, impl=impl)
+                                          *scale, layout=cfg.layout, impl=impl,
+                                          max_q_len=max_q_len)
             new_caches.append(cache)
             x = x + attn.reshape(x.shape[0], -1) @ layer["wo"]
             x = x + mlp_block(layer, x)
@@ -694,7 +698,7 @@ def run(cfg: Config) -> dict:
     total = [n + cfg.steps for n in prompt_lens]
     max_blocks = max(math.ceil(n / cfg.block_size) for n in total)
     num_blocks = sum(math.ceil(n / cfg.block_size) for n in total) + cfg.extra_blocks
-    trace_counter = {k: 0 for k in KINDS + ("ragged",)}
+    trace_counter = {k: 0 for k in KINDS + ("ragged", "verify")}
     runs = {}
     # bf16: the dense prefill's K/V into its cache (it has no ragged reader), then decode.
     alloc = new_allocator(cfg, num_blocks, max_blocks)
@@ -703,10 +707,9 @@ def run(cfg: Config) -> dict:
     runs["bf16"] = decode(cfg, "bf16", params, caches, alloc, first_logits, scales,
                           trace_counter)
 
-    # NVFP4: chunked prefill through the cache. One compiled ragged step serves every chunk and
-    # the verify step: num_tokens is padded to the larger of the two.
+    # NVFP4: chunked prefill through the cache. One compiled ragged step serves every chunk.
     k = min(cfg.draft_tokens, cfg.steps)
-    num_tokens = cfg.batch * max(cfg.prefill_chunk, k)
+    num_tokens = cfg.batch * cfg.prefill_chunk
     ragged = make_ragged_step(cfg, trace_counter)
     alloc = new_allocator(cfg, num_blocks, max_blocks)
     caches = allocate_caches(cfg, "nvfp4", num_blocks)
@@ -730,8 +733,9 @@ def run(cfg: Config) -> dict:
     # in one step from the cache state before them.
     fed = runs["bf16"]["tokens"] if cfg.teacher_force else runs["nvfp4"]["tokens"]
     stage(cfg, f"nvfp4: speculative verify step, {k} tokens per sequence")
-    verify_logits = verify_step(cfg, params, spec_caches, spec_alloc, scales, ragged,
-                                fed[:, :k], num_tokens)
+    verify = make_ragged_step(cfg, trace_counter, max_q_len=k, name="verify")
+    verify_logits = verify_step(cfg, params, spec_caches, spec_alloc, scales, verify,
+                                fed[:, :k], cfg.batch * k)
     del spec_caches
     bounds = match_bounds(cfg, platform)
 
@@ -756,7 +760,8 @@ def run(cfg: Config) -> dict:
                 logits=verify_logits, max_abs_diff=float(sdiff.max()),
                 mean_abs_diff=float(sdiff.mean()), argmax_same=int(s_same.sum()),
                 positions=int(s_same.size), accepted=accepted.tolist(),
-                bound=bounds["verify"], bound_measured=bounds["measured"], path=chunked["path"])
+                bound=bounds["verify"], bound_measured=bounds["measured"], path=chunked["path"],
+                max_q_len=k, traces=trace_counter["verify"])
     # Equal to the steps within the bound and the same greedy choice at every position: the
     # model drafting for itself has every draft accepted.
     spec["passed"] = bool(np.isfinite(sdiff).all() and spec["max_abs_diff"] <= spec["bound"]
@@ -960,7 +965,7 @@ def report(cfg, r):
           f"ragged reader); nvfp4 run chunked, {c['steps']} ragged steps of {c['num_tokens']} "
           f"packed tokens (query tokens per step {c['tokens_per_step']}, sequences per step "
           f"{c['seqs_per_step']}), first step incl. compile {c['first_step_s']:.2f} s, "
-          f"{c['seconds']:.2f} s in all, ragged step traced {c['traces']}x (prefill and verify), "
+          f"{c['seconds']:.2f} s in all, ragged step traced {c['traces']}x, "
           f"jit cache entries {c['jit_cache_size']}, caches donated {c['caches_donated']}, "
           f"ragged attention: {c['path']} path")
     print(f"first differing generated token per sequence: {r['first_divergence']} (token 0 from "
@@ -1005,7 +1010,7 @@ def report_checks(cfg, r):
         drafts = (f"the model drafting for itself: drafts accepted per sequence "
                   f"{', '.join(map(str, acc))} of {k}"
                   + (" (a tie closer than the difference)" if s["passed"] else ""))
-    how = f"one verify step of {k} tokens per sequence"
+    how = f"one verify step of {k} tokens per sequence (max_q_len={s['max_q_len']})"
     stats = (f"max |diff| {s['max_abs_diff']:.2g}, same argmax at {s['argmax_same']}/"
              f"{s['positions']} positions; {drafts}")
     if s["passed"]:

@@ -74,7 +74,8 @@ def assert_check_lines(lines, *, chunk, chunks, steps, prefill_bound, positions,
         rf"\(K/V through NVFP4\) within {bound(prefill_bound)} at all {positions} prompt "
         rf"positions: max \|diff\| .*, same argmax at {argmax}/{positions}", lines[0]), lines[0]
     assert re.fullmatch(
-        rf"speculative decoding: one verify step of 4 tokens per sequence equals 4 "
+        rf"speculative decoding: one verify step of 4 tokens per sequence \(max_q_len=4\) "
+        rf"equals 4 "
         rf"token-by-token decode steps within {bound(verify_bound)}: max \|diff\| .*, same "
         rf"argmax at 16/16 positions; the model drafting for itself: 4/4 drafts accepted in "
         rf"every sequence", lines[1]), lines[1]
@@ -91,10 +92,13 @@ def test_step_compiled_once(results):
     assert results["traces"] == {"bf16": 1, "nvfp4": 1}
     assert results["jit_cache_size"] == {"bf16": 1, "nvfp4": 1}
     # The ragged step: one trace for the 5 chunk steps (4, 3, 1, 1, 1 sequences: num_seqs,
-    # cu_q_lens and seq_lens change) and the verify step (4 tokens per sequence).
+    # cu_q_lens and seq_lens change); the verify step (4 tokens per sequence, max_q_len=4) is
+    # its own compiled step, traced once.
     assert results["chunked_prefill"]["traces"] == 1
     assert results["chunked_prefill"]["jit_cache_size"] == 1
     assert results["chunked_prefill"]["caches_donated"]
+    assert results["speculative"]["traces"] == 1
+    assert results["speculative"]["max_q_len"] == 4
 
 
 def test_chunked_prefill_took_several_chunks(results):
@@ -262,8 +266,8 @@ def test_a_check_beyond_its_bound_fails_loudly(example, capsys, monkeypatch):
     assert lines[6].startswith("chunked prefill: FAILED: 4 prompts through the NVFP4 cache"), lines
     assert "by more than -1 over the 39 prompt positions" in lines[6]
     assert lines[7].startswith("speculative decoding: FAILED: one verify step of 2 tokens per "
-                               "sequence differs from 2 token-by-token decode steps by more "
-                               "than -1: "), lines[7]
+                               "sequence (max_q_len=2) differs from 2 token-by-token decode "
+                               "steps by more than -1: "), lines[7]
 
 
 def test_chunk_plan_and_ragged_packing(example):
