@@ -33,17 +33,9 @@
 #include <vector>
 
 #include "attention_device.cuh"
+#include "cuda_check.h"
 #include "wgmma.cuh"
 
-
-#define CHECK(x)                                                              \
-  do {                                                                        \
-    cudaError_t e = (x);                                                      \
-    if (e != cudaSuccess) {                                                   \
-      printf("CUDA %s at line %d\n", cudaGetErrorString(e), __LINE__);        \
-      exit(1);                                                                \
-    }                                                                         \
-  } while (0)
 
 namespace prefill_probe {
 
@@ -344,45 +336,39 @@ int main(int argc, char** argv) {
   CHECK(cudaMemset(out, 0, 4 * sms * sizeof(float)));
 
   const double tile_step_flops = 4.0 * 64 * kKv * kHead;
-  const auto report = [&](const char* name, float ms, double tiles) {
-    printf("%-58s %9.3f ms  %7.1f TFLOP/s\n", name, ms,
-           tiles * steps * tile_step_flops / (ms * 1e-3) / 1e12);
+  using Kernel = void (*)(const uint8_t*, const uint8_t*, int, float*);
+  struct Variant {
+    const char* name;
+    Kernel kernel;
+    int ctas_per_sm, threads, smem;
+    double tiles_per_cta;
   };
   constexpr int kTodaySmem = 96000;  // the ragged kernel's (head 128): 2 CTAs per SM
-  report("A  today: 1 warpgroup converts + multiplies, 2 CTAs/SM",
-         time_kernel(ProbeToday<true>, 2 * sms, kWarpgroup, kTodaySmem, codes, scales, steps,
-                     out),
-         2.0 * sms);
-  report("A0 today without the conversion",
-         time_kernel(ProbeToday<false>, 2 * sms, kWarpgroup, kTodaySmem, codes, scales, steps,
-                     out),
-         2.0 * sms);
-  // B: one tile per CTA, the consumers taking alternate steps: tiles = CTAs.
-  report("B  producer + 2 consumers, alternate steps, 2 stages",
-         time_kernel(ProbeSpecialised<true, false, 2>, sms, 3 * kWarpgroup, 2 * kStageBytes,
-                     codes, scales, steps, out),
-         1.0 * sms);
-  report("B  producer + 2 consumers, alternate steps, 4 stages",
-         time_kernel(ProbeSpecialised<true, false, 4>, sms, 3 * kWarpgroup, 4 * kStageBytes,
-                     codes, scales, steps, out),
-         1.0 * sms);
-  report("B0 the same (4 stages) without the conversion",
-         time_kernel(ProbeSpecialised<false, false, 4>, sms, 3 * kWarpgroup, 4 * kStageBytes,
-                     codes, scales, steps, out),
-         1.0 * sms);
-  // C: two tiles per CTA sharing every stage.
-  report("C  producer + 2 consumers on 2 tiles, 2 stages",
-         time_kernel(ProbeSpecialised<true, true, 2>, sms, 3 * kWarpgroup, 2 * kStageBytes,
-                     codes, scales, steps, out),
-         2.0 * sms);
-  report("C  producer + 2 consumers on 2 tiles, 3 stages",
-         time_kernel(ProbeSpecialised<true, true, 3>, sms, 3 * kWarpgroup, 3 * kStageBytes,
-                     codes, scales, steps, out),
-         2.0 * sms);
-  report("C0 the same (3 stages) without the conversion",
-         time_kernel(ProbeSpecialised<false, true, 3>, sms, 3 * kWarpgroup, 3 * kStageBytes,
-                     codes, scales, steps, out),
-         2.0 * sms);
+  const Variant variants[] = {
+      {"A  today: 1 warpgroup converts + multiplies, 2 CTAs/SM", ProbeToday<true>, 2,
+       kWarpgroup, kTodaySmem, 1},
+      {"A0 today without the conversion", ProbeToday<false>, 2, kWarpgroup, kTodaySmem, 1},
+      // B: one tile per CTA, the consumers taking alternate steps.
+      {"B  producer + 2 consumers, alternate steps, 2 stages",
+       ProbeSpecialised<true, false, 2>, 1, 3 * kWarpgroup, 2 * kStageBytes, 1},
+      {"B  producer + 2 consumers, alternate steps, 4 stages",
+       ProbeSpecialised<true, false, 4>, 1, 3 * kWarpgroup, 4 * kStageBytes, 1},
+      {"B0 the same (4 stages) without the conversion", ProbeSpecialised<false, false, 4>, 1,
+       3 * kWarpgroup, 4 * kStageBytes, 1},
+      // C: two tiles per CTA sharing every stage.
+      {"C  producer + 2 consumers on 2 tiles, 2 stages", ProbeSpecialised<true, true, 2>, 1,
+       3 * kWarpgroup, 2 * kStageBytes, 2},
+      {"C  producer + 2 consumers on 2 tiles, 3 stages", ProbeSpecialised<true, true, 3>, 1,
+       3 * kWarpgroup, 3 * kStageBytes, 2},
+      {"C0 the same (3 stages) without the conversion", ProbeSpecialised<false, true, 3>, 1,
+       3 * kWarpgroup, 3 * kStageBytes, 2},
+  };
+  for (const Variant& v : variants) {
+    const int ctas = v.ctas_per_sm * sms;
+    const float ms = time_kernel(v.kernel, ctas, v.threads, v.smem, codes, scales, steps, out);
+    printf("%-58s %9.3f ms  %7.1f TFLOP/s\n", v.name, ms,
+           ctas * v.tiles_per_cta * steps * tile_step_flops / (ms * 1e-3) / 1e12);
+  }
   float check = 0.f;
   CHECK(cudaMemcpy(&check, out, sizeof(float), cudaMemcpyDeviceToHost));
   printf("(checksum %g; %d SMs, %d steps of %d positions per CTA)\n", check, sms, steps, kKv);

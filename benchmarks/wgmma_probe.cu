@@ -18,18 +18,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cuda_check.h"
 #include "wgmma.cuh"
 
 using namespace nvfp4;
-
-#define CHECK(x)                                                              \
-  do {                                                                        \
-    cudaError_t e = (x);                                                      \
-    if (e != cudaSuccess) {                                                   \
-      printf("CUDA %s at line %d\n", cudaGetErrorString(e), __LINE__);        \
-      exit(1);                                                                \
-    }                                                                         \
-  } while (0)
 
 constexpr int kBlockBytes = 64 * 128;  // one 64-dim block of 64 positions (rows)
 
