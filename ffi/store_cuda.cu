@@ -221,19 +221,21 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
   if (NVFP4_STORE_PERSISTENT) {
-    const auto kernel = PersistentStoreKernel<kIsF16, kBlocks, kSearch>;
-    static std::atomic<int> resident{0};  // CTAs on the GPU at once (first device asked)
-    if (resident.load(std::memory_order_relaxed) == 0) {
+    // As many CTAs as the launch bounds guarantee room for on every SM (registers; the shared
+    // memory, 34 KB a CTA, allows more). The SM count is a plain attribute query, which is
+    // allowed while XLA captures the launch into a command buffer (an occupancy query might
+    // not be).
+    static std::atomic<int> sm_count{0};  // of the first device asked
+    if (sm_count.load(std::memory_order_relaxed) == 0) {
       int device = 0, sms = 0;
       if (cudaGetDevice(&device) == cudaSuccess &&
           cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-        resident.store(sms * ResidentCtasPerSm(kernel, kThreadsPerBlock, 0),
-                       std::memory_order_relaxed);
-      cudaGetLastError();
+        sm_count.store(sms, std::memory_order_relaxed);
     }
-    const int64_t fit = resident.load(std::memory_order_relaxed);
-    kernel<<<fit > 0 ? std::min(grid, fit) : grid, kThreadsPerBlock, 0, stream>>>(
-        p, shape, uint32_t(num_work), aligned_data);
+    const int64_t fit = int64_t(sm_count.load(std::memory_order_relaxed)) * kMinCtasPerSm<kSearch>;
+    PersistentStoreKernel<kIsF16, kBlocks, kSearch>
+        <<<fit > 0 ? std::min(grid, fit) : grid, kThreadsPerBlock, 0, stream>>>(
+            p, shape, uint32_t(num_work), aligned_data);
     return;
   }
   StoreKernel<kIsF16, kBlocks, kSearch>
