@@ -26,6 +26,7 @@ NB_MODULE(_ffi, m) {
   // The valid range of a global scale (jax_nvfp4.layout.MIN_SCALE, MAX_SCALE; a test compares).
   m.attr("MIN_SCALE") = nvfp4::kMinScale;
   m.attr("MAX_SCALE") = nvfp4::kMaxScale;
+  m.attr("STORE_SMALL_BLOCKS") = nvfp4::kSmallStoreBlocks;
   m.def("registrations", []() {
     nb::dict platforms;
     platforms["cpu"] = EncapsulateFfiHandler(NvFp4StoreCpu);

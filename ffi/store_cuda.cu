@@ -285,8 +285,11 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   const bool aligned_data = p.page.side_bytes() % kBlockBytes == 0;
   // Two blocks a thread where a head vector has an even number of them: more loads in flight
   // and the index arithmetic shared. (Four measured 1.7x slower on an H200: benchmarks/NOTES.md,
-  // store v10.)
-  const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0;
+  // store v10.) A small store (kSmallStoreBlocks: a decode step's few tokens; at most 256 CTAs,
+  // under one wave of 4 per SM on an H100/H200) is one partial wave either way, and its time is
+  // one thread's chain of instructions: one block a thread halves it.
+  const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0 &&
+                     num_blocks_total > kSmallStoreBlocks;
   if (p.is_f16) {
     if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, aligned_data);
     else LaunchForSearch<true, 1>(stream, p, num_blocks_total, aligned_data);

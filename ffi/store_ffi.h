@@ -17,6 +17,12 @@ namespace ffi = xla::ffi;
 // Name of the FFI target; jax_nvfp4/primitive.py registers the handlers under it.
 inline constexpr const char kStoreTarget[] = "jax_nvfp4_reshape_and_cache";
 
+// The CUDA store quantises one 16-value block a thread for stores of at most this many blocks
+// (512 tokens of 8 kv heads x 128: a decode step's stores), two a thread above where the head
+// size allows (store_cuda.cu; benchmarks/NOTES.md, store v12). Exported for the tests that
+// cover both.
+inline constexpr int64_t kSmallStoreBlocks = int64_t(1) << 16;
+
 inline ffi::Error InvalidArgument(const std::string& message) {
   return ArgumentError("reshape_and_cache", message);
 }

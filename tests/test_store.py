@@ -233,6 +233,27 @@ def test_gpu_large(scale_search):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
+@pytest.mark.parametrize("dtype,layout,v_scale_swizzle", [("bf16", "HND", True),
+                                                         ("fp16", "NHD", False)])
+@pytest.mark.parametrize("extra_tokens", [0, 1], ids=["one_block_a_thread", "two"])
+def test_gpu_one_and_two_blocks_a_thread(scale_search, dtype, layout, v_scale_swizzle,
+                                         extra_tokens):
+    """The CUDA store quantises one 16-value block a thread up to _ffi.STORE_SMALL_BLOCKS
+    blocks in a call and two a thread above (head sizes with an even block count): the
+    reference's bytes on both sides of the bound."""
+    from jax_nvfp4.primitive import _ffi
+    heads, head_size = 2, 128
+    blocks_per_token = 2 * heads * head_size // 16               # K and V
+    tokens = _ffi.STORE_SMALL_BLOCKS // blocks_per_token + extra_tokens
+    case = sc.make_case(13, num_tokens=tokens, num_kv_heads=heads, head_size=head_size,
+                        block_size=16, dtype=dtype, layout=layout,
+                        v_scale_swizzle=v_scale_swizzle)
+    assert (case.key.size * 2 // 16 > _ffi.STORE_SMALL_BLOCKS) == bool(extra_tokens)
+    check_store(case, "gpu", scale_search)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
 def test_gpu_one_token(scale_search):
     case = sc.make_case(12, num_tokens=1, num_kv_heads=4, head_size=128, block_size=16,
                         dtype="bf16")
