@@ -387,11 +387,6 @@ int ClusterMergeSplitsFor() {
   return answer - 1;
 }
 
-int ClusterMergeSplits(int64_t head_size) {
-  return WithHeadSize(
-      head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); }, 0);
-}
-
 ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
                       ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
                       ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
@@ -407,7 +402,7 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
                                        v_scale_swizzle, num_splits, tokens_per_split,
                                        cluster_merge, &p);
   if (error.failure()) return error;
-  if (cluster_merge && num_splits > ClusterMergeSplits(p.page.head_size))
+  if (cluster_merge && num_splits > DecodeClusterMergeSplits(int(p.page.head_size)))
     return DecodeArgumentError("cluster_merge with more splits than this GPU places in a "
                                "cluster of the kernel");
   if (int64_t(p.stacked) * p.batch * p.num_q_heads == 0) return ffi::Error::Success();
@@ -438,7 +433,10 @@ cudaError_t LaunchDecodeAttention(cudaStream_t stream, const DecodeProblem& p) {
       cudaErrorInvalidValue);
 }
 
-int DecodeClusterMergeSplits(int head_size) { return ClusterMergeSplits(head_size); }
+int DecodeClusterMergeSplits(int head_size) {
+  return WithHeadSize(
+      head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); }, 0);
+}
 
 int DecodeResidentCtasPerSm(int head_size) {
   return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },

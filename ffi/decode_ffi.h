@@ -73,7 +73,7 @@ struct DecodeProblem {
 // (jax_nvfp4/attention_primitive.py, _TOKENS_PER_CTA_STEP).
 inline constexpr int64_t kDecodeSplitStep = 128;
 // Most splits one cluster merges: 16, the largest (non-portable) cluster size of sm_90, where
-// the GPU can place such a cluster of the kernel (decode_cuda.cu, ClusterMergeSplits; the plan
+// the GPU can place such a cluster of the kernel (decode_cuda.cu, DecodeClusterMergeSplits; the plan
 // asks through _ffi.decode_cluster_merge_splits).
 inline constexpr int32_t kMaxClusterSplits = 16;
 

@@ -252,13 +252,6 @@ void LaunchForSearch(cudaStream_t stream, const StoreProblem& p, int64_t num_blo
     Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, aligned_data);
 }
 
-// The launch's error, if any, as the handler's result.
-ffi::Error LaunchStatus() {
-  const cudaError_t launched = cudaGetLastError();
-  if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
-  return ffi::Error::Success();
-}
-
 ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer value,
                      ffi::Buffer<ffi::U8> kv_cache, ffi::AnyBuffer slot_mapping,
                      ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
@@ -297,7 +290,9 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
     if (pairs) LaunchForSearch<false, 2>(stream, p, num_blocks_total, aligned_data);
     else LaunchForSearch<false, 1>(stream, p, num_blocks_total, aligned_data);
   }
-  return LaunchStatus();
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
+  return ffi::Error::Success();
 }
 
 __global__ void E2m1SelfCheckKernel(unsigned long long* mismatches) {
