@@ -286,16 +286,11 @@ NVFP4_HD float out_scale_of(uint8_t byte, StoreFactor f) {
   return sfq != 0.0f ? div_rn(1.0f, mul_rn(sfq, f.inv_g)) : 0.0f;
 }
 
-// out_scale_of computed for each block (the CPU kernel, the jnp reference's twin) ...
+// out_scale_of computed for each block (every kernel today; a per-CTA table of the 256 values
+// would give the same bytes: the store's v11 tried one, benchmarks/NOTES.md).
 struct DirectOutScale {
   StoreFactor f;
   NVFP4_HD float operator()(uint8_t byte) const { return out_scale_of(byte, f); }
-};
-
-// ... or looked up in a table of out_scale_of(byte, f) for bytes 0..255, the same values.
-struct TabulatedOutScale {
-  const float* table;
-  NVFP4_HD float operator()(uint8_t byte) const { return table[byte]; }
 };
 
 // docs/format.md §2 steps 3-5 for one candidate denominator.
@@ -345,8 +340,7 @@ struct QuantizedBlock {
 
 // The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3) and
 // its codes: with 4over6 each candidate's codes are computed once, for its error and, if
-// chosen, the output. `out_scale` gives step 5's multiplier of a scale byte (DirectOutScale or
-// TabulatedOutScale: the same values).
+// chosen, the output. `out_scale` gives step 5's multiplier of a scale byte (DirectOutScale).
 template <typename OutScale>
 NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch search,
                                  uint32_t (&code)[2], const OutScale& out_scale) {

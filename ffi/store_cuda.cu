@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "cuda_common.cuh"
 #include "handlers.h"
@@ -131,86 +130,6 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
                                        aligned_data);
 }
 
-// The persistent form (built with -DNVFP4_STORE_PERSISTENT=1; benchmarks/NOTES.md, store v11,
-// not yet run on a GPU): as many CTAs as fit on the GPU at once, each thread taking items
-// work, work + stride, ... With the grid above, every CTA pays its start and the round trip of
-// its first loads, 15 times over per SM at 32768 tokens; here each thread copies the inputs of
-// its next item into its own slots of a two-stage shared-memory ring (cp.async: no registers
-// hold the bytes in flight; the 4-blocks-a-thread variant, which held 128 bytes in registers,
-// ran 1.7x slower) and loads its next slot while it quantises the current item. A thread reads
-// back only what it copied itself, so cp.async.wait_group orders it; no barrier in the loop.
-// With shared scales each CTA tabulates out_scale_of for the 256 scale bytes of K and of V
-// once (the same values: no division per block).
-constexpr int kRingStages = 2;
-
-template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
-__global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
-    PersistentStoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
-                          bool aligned_data) {
-  constexpr int kWords = 2 * kBlocks;  // 16-byte input words per item
-  // [stage][word][thread]: a warp's 16-byte accesses to one word are 512 contiguous bytes.
-  __shared__ uint4 ring[kRingStages][kWords][kThreadsPerBlock];
-  __shared__ float out_scale_table[2][256];
-  static_assert(kThreadsPerBlock == 256, "one thread per scale byte builds the table");
-  const bool shared_scales = p.scales_layer_stride == 0;
-  const uint32_t stride = gridDim.x * blockDim.x;  // < 2^31: the grid fits the GPU
-  const int t = int(threadIdx.x);
-
-  // Issues the copies of item `work` into ring stage `stage`; returns its slot (-1: skip; slots
-  // are below 2^31, the handler checks).
-  const auto start_item = [&](uint32_t work, int stage) -> int32_t {
-    const WorkItem w = work_item<kBlocks>(shape, work);
-    const uint4* src = item_input(p, w);
-#pragma unroll
-    for (int i = 0; i < kWords; ++i) copy_async<16>(&ring[stage][i][t], src + i, true);
-    return int32_t(p.valid_slot(w.layer, w.token));
-  };
-
-  uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
-  int32_t slot = work < num_work ? start_item(work, 0) : -1;
-  copy_async_commit();
-
-  // (two scalars, not an array indexed by the side: that went to local memory)
-  StoreFactor k_factor{}, v_factor{};
-  if (shared_scales) {
-    k_factor = p.factor(0, 0);
-    v_factor = p.factor(0, 1);
-    out_scale_table[0][t] = out_scale_of(uint8_t(t), k_factor);
-    out_scale_table[1][t] = out_scale_of(uint8_t(t), v_factor);
-    __syncthreads();
-  }
-
-  for (int stage = 0; work < num_work; work += stride, stage ^= 1) {
-    // The next item's copies and slot load go out before this item is quantised (its indices
-    // are recomputed below rather than kept: registers are what this kernel is short of).
-    const uint32_t next = work + stride;  // < 2^32: both terms are below 2^31
-    const int32_t slot_next = next < num_work ? start_item(next, stage ^ 1) : -1;
-    copy_async_commit();
-    copy_async_wait<1>();  // this item's copies have landed
-    if (slot >= 0) {
-      const WorkItem w = work_item<kBlocks>(shape, work);
-      uint4 in[kWords];
-#pragma unroll
-      for (int i = 0; i < kWords; ++i) in[i] = ring[stage][i][t];
-      if (shared_scales) {
-        store_item<kIsF16, kBlocks, kSearch>(
-            p, shape, w, slot, in, w.side == 0 ? k_factor : v_factor,
-            TabulatedOutScale{out_scale_table[w.side]}, aligned_data);
-      } else {
-        const StoreFactor factor = p.factor(w.layer, w.side);
-        store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor,
-                                             DirectOutScale{factor}, aligned_data);
-      }
-    }
-    slot = slot_next;
-  }
-  copy_async_wait<0>();
-}
-
-#ifndef NVFP4_STORE_PERSISTENT
-#define NVFP4_STORE_PERSISTENT 0
-#endif
-
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
             bool aligned_data) {
@@ -220,24 +139,6 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.num_tokens)),
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
-  if (NVFP4_STORE_PERSISTENT) {
-    // As many CTAs as the launch bounds guarantee room for on every SM (registers; the shared
-    // memory, 34 KB a CTA, allows more). The SM count is a plain attribute query, which is
-    // allowed while XLA captures the launch into a command buffer (an occupancy query might
-    // not be).
-    static std::atomic<int> sm_count{0};  // of the first device asked
-    if (sm_count.load(std::memory_order_relaxed) == 0) {
-      int device = 0, sms = 0;
-      if (cudaGetDevice(&device) == cudaSuccess &&
-          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess)
-        sm_count.store(sms, std::memory_order_relaxed);
-    }
-    const int64_t fit = int64_t(sm_count.load(std::memory_order_relaxed)) * kMinCtasPerSm<kSearch>;
-    PersistentStoreKernel<kIsF16, kBlocks, kSearch>
-        <<<fit > 0 ? std::min(grid, fit) : grid, kThreadsPerBlock, 0, stream>>>(
-            p, shape, uint32_t(num_work), aligned_data);
-    return;
-  }
   StoreKernel<kIsF16, kBlocks, kSearch>
       <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), aligned_data);
 }
