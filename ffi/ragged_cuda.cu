@@ -396,7 +396,14 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     }
     amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
     const int exponent = q_exponent(amax);
-    const PowerOfTwo times(exponent);
+    // The score scale k_scale * sm_scale with its sign moved into q (exact in fp16), so that
+    // each row's scale is >= 0 (or NaN) and the loop's unmasked steps can take the max of the
+    // unscaled scores.
+    const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+    const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+    const float qk_scale = k_scale * sm_scale;
+    PowerOfTwo times(exponent);
+    if (qk_scale < 0.f) times.lo = -times.lo;
     uint16_t* dst = q_smem + r * R::kStride + half * kDims;
 #pragma unroll 4
     for (int i = 0; i < kDims; i += 8) {
@@ -409,10 +416,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
           pack_f16x2(times(v[3]), times(v[7])));
     }
     if (half == 0) {
-      const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
-      const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
       row_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(row0 + r))), split_end) : 0;
-      row_scale[r] = ldexpf(k_scale * sm_scale * kLog2e, 7 - exponent);
+      row_scale[r] = ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
       row_q[r] = valid ? int32_t(q_row - member_rows) : -1;
     }
   }
@@ -498,6 +503,11 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 #pragma unroll
     for (int c = 0; c < 4; ++c) o[t][c] = 0.f;
 
+  // The wgmma descriptors of the K/V buffer (K-major K: dims 16 k .. 16 k + 15 of each row at
+  // (k / 4) blocks + (k % 4) * 32 bytes; MN-major V: positions 16 k .. at 16 k rows).
+  const uint64_t k_desc = swizzled_desc(kv_smem, 16, 1024);
+  const uint64_t v_desc = swizzled_desc(kv_smem + R::kSideBytes, R::kBlockBytes, 1024);
+
 #pragma unroll 1
   for (int step = 0; step < num_steps; ++step) {
     // This step's bytes have landed (this thread's copies; the barrier: everyone's), and every
@@ -538,9 +548,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < R::kKSteps; ++k)  // K-major B: dims 16 k .. 16 k + 15 of each row
-          wgmma_64x64<0>(acc, qf[k],
-                         swizzled_desc(k_tile + (k / 4) * R::kBlockBytes + (k % 4) * 32, 16,
-                                       1024));
+          wgmma_64x64<0>(acc, qf[k], desc_plus(k_desc, (k / 4) * R::kBlockBytes + (k % 4) * 32));
         wgmma_commit_and_wait();
         wgmma_fence_operands(acc);
       }
@@ -568,19 +576,36 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
       }
     }
 
-    // Online softmax (rows g and g + 8 of the m-tile; a row's 4 lanes share its max).
+    // Online softmax (rows g and g + 8 of the m-tile; a row's 4 lanes share its max), in two
+    // forms. A step that reaches past the end of one of the warp's rows scales each score,
+    // masks it and exponentiates the difference to the max. Every other step (all but the last
+    // few of a long tile) needs no mask: the row scale is >= 0 (its sign is in q), so the max of
+    // the scaled scores is the scaled max of the raw ones, and each score's exponent is one
+    // fused multiply-add, s * scale - max. (Both forms keep the max in scaled units.)
     const bool masked = step_base + kv0 + part_len > warp_min_end;
     float top[2] = {m[0], m[1]};
+    if (masked) {
 #pragma unroll
-    for (int t = 0; t < R::kSTiles; ++t) {
-      if (t * 8 >= part_len) break;
+      for (int t = 0; t < R::kSTiles; ++t) {
+        if (t * 8 >= part_len) break;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float x = s[t][c] * score_scale[c >> 1];
-        if (masked && step_base + kv0 + 8 * t + 2 * qd + (c & 1) >= limit[c >> 1]) x = -INFINITY;
-        s[t][c] = x;
-        top[c >> 1] = fmaxf(top[c >> 1], x);
+        for (int c = 0; c < 4; ++c) {
+          float x = s[t][c] * score_scale[c >> 1];
+          if (step_base + kv0 + 8 * t + 2 * qd + (c & 1) >= limit[c >> 1]) x = -INFINITY;
+          s[t][c] = x;
+          top[c >> 1] = fmaxf(top[c >> 1], x);
+        }
       }
+    } else {
+      float raw_top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int t = 0; t < R::kSTiles; ++t) {
+        if (t * 8 >= part_len) break;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) raw_top[c >> 1] = fmaxf(raw_top[c >> 1], s[t][c]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * score_scale[h]);
     }
     float alpha[2], offset[2];
 #pragma unroll
@@ -598,13 +623,25 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 #pragma unroll
         for (int c = 0; c < 4; ++c) o[t][c] *= alpha[c >> 1];
     }
+    if (masked) {
 #pragma unroll
-    for (int t = 0; t < R::kSTiles; ++t) {
-      if (t * 8 >= part_len) break;
+      for (int t = 0; t < R::kSTiles; ++t) {
+        if (t * 8 >= part_len) break;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
-        l[c >> 1] += s[t][c];
+        for (int c = 0; c < 4; ++c) {
+          s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
+          l[c >> 1] += s[t][c];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < R::kSTiles; ++t) {
+        if (t * 8 >= part_len) break;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          s[t][c] = exp2_approx(__fmaf_rn(s[t][c], score_scale[c >> 1], -offset[c >> 1]));
+          l[c >> 1] += s[t][c];
+        }
       }
     }
 
@@ -624,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < R::kPSteps; ++k) {  // MN-major B: positions 16 k .. 16 k + 15
-          const uint64_t b = swizzled_desc(v_tile + 16 * k * 128, R::kBlockBytes, 1024);
+          const uint64_t b = desc_plus(v_desc, 16 * k * 128);
           if constexpr (kHead == 128)
             wgmma_64x128_trans_b(acc, a[k], b);
           else

@@ -42,6 +42,13 @@ __device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leadin
          (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor `desc` moved `bytes` further on in shared memory (a multiple of 16): the start
+// address field is the address / 16 in the low 14 bits, and shared addresses stay below 256 KB,
+// so the sum does not carry out of it. Lets a loop build its descriptors once.
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
+  return desc + (bytes >> 4);
+}
+
 // Pins accumulator registers in place around the wgmma that owns them (CUTLASS's
 // warpgroup_fence_operand): an empty asm that "modifies" each one, so the compiler moves no read
 // or write of them across the asynchronous multiply, its commit or its wait. No instruction.
