@@ -15,6 +15,12 @@
 //   C  warp-specialised, two tiles: the same producer, but both consumers read every stage,
 //      each with its own 64 rows (a CTA of 128 rows: half the conversion per FLOP).
 //   B0, C0  B and C with the producer copying without converting: the structure's ceiling.
+//   D  C with asynchronous consumers (FlashAttention-3's intra-warpgroup overlap): a consumer
+//      issues S = Q K^T of step n and O += P V of step n - 1 together, waits for S only, runs
+//      step n's softmax while P V runs on the tensor cores, then waits for P V, frees stage
+//      n - 1 and rescales O.
+//   E  D with the two consumers taking turns to issue their products (named barriers: one
+//      warpgroup's softmax runs while the other's products do; FlashAttention-3's ping-pong).
 //
 // Build and run on a Hopper GPU, from the repository root:
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O3 -std=c++17 -I ffi \
@@ -218,6 +224,119 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// Hands registers between warpgroups (sm_90a): the producer needs few, a pipelined consumer
+// more than the 168 a thread that 384 threads get at launch (128 x 24 + 256 x 240 <= 64 K).
+template <int N>
+__device__ __forceinline__ void registers_down() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void registers_up() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+constexpr int kProducerRegisters = 24, kConsumerRegisters = 240;
+
+// Waits until at most N committed wgmma groups of this warpgroup are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Keeps A-fragment registers in place until here (an asynchronous wgmma reads them after its
+// issue; the compiler would otherwise reuse them).
+template <int N>
+__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(r[i][c])::"memory");
+}
+
+// A consumer with FlashAttention-3's intra-warpgroup overlap (D, E): the scores of step n and
+// the P V of step n - 1 in flight together; the softmax of step n between their waits.
+struct PipelinedConsumer {
+  Consumer c;                    // q, the softmax state, O
+  float s[kKv / 8][4];           // the scores of the step in flight
+  uint32_t a[kKv / 16][4];       // P of the step before (wgmma A fragments)
+
+  // (descriptors from bases built once, stage offsets compile-time: the loop below is unrolled
+  // over the stages so that no stage arithmetic lands in uniform registers while a product is
+  // in flight, which makes ptxas wait for it)
+  __device__ __forceinline__ void issue_scores(uint64_t k_desc) {
+#pragma unroll
+    for (int t = 0; t < kKv / 8; ++t)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[t][k] = 0.f;
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kHead / 16; ++k)
+      wgmma_64x64<0>(acc, c.qf[k], desc_plus(k_desc, (k / 4) * kBlockBytes + (k % 4) * 32));
+    wgmma_commit();
+  }
+  __device__ __forceinline__ void issue_values(uint64_t v_desc) {
+    float(&oacc)[kHead / 2] = reinterpret_cast<float(&)[kHead / 2]>(c.o);
+    wgmma_fence_operands(oacc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kKv / 16; ++k)
+      wgmma_64x128_trans_b(oacc, a[k], desc_plus(v_desc, 16 * k * 128));
+    wgmma_commit();
+  }
+  // The online softmax of the scores (landed): the new max and sum, P into `a` after O's
+  // rescale, which waits for the P V in flight (waited for by the caller first).
+  __device__ __forceinline__ void softmax(float score_scale, float (&alpha)[2]) {
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    float top[2] = {c.m[0], c.m[1]};
+#pragma unroll
+    for (int t = 0; t < kKv / 8; ++t)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) top[k >> 1] = fmaxf(top[k >> 1], s[t][k] * score_scale);
+    float offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xFFFFFFFFu, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(0xFFFFFFFFu, top[h], 2));
+      offset[h] = top[h] == -INFINITY ? 0.f : top[h];
+      alpha[h] = exp2_approx(c.m[h] - offset[h]);
+      c.m[h] = top[h];
+      c.l[h] *= alpha[h];
+    }
+#pragma unroll
+    for (int t = 0; t < kKv / 8; ++t)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        s[t][k] = exp2_approx(__fmaf_rn(s[t][k], score_scale, -offset[k >> 1]));
+        c.l[k >> 1] += s[t][k];
+      }
+    // (an empty asm that takes the results: the compiler must finish the softmax before the
+    // caller's wait for P V, which it would otherwise sink it past)
+    wgmma_fence_operands(acc);
+  }
+  __device__ __forceinline__ void rescale_and_pack(const float (&alpha)[2]) {
+    float(&oacc)[kHead / 2] = reinterpret_cast<float(&)[kHead / 2]>(c.o);
+    wgmma_fence_operands(oacc);
+    fence_registers(a);
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int t = 0; t < kHead / 8; ++t)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) c.o[t][k] *= alpha[k >> 1];
+    }
+#pragma unroll
+    for (int k = 0; k < kKv / 16; ++k) {
+      a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
+      a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
+      a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
+      a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
+    }
+  }
+};
+
 // The record (position, side) thread t of a converting warpgroup takes in step s of CTA b.
 __device__ __forceinline__ int64_t record_of(int b, int s, int t) {
   return (int64_t(b) * 977 + int64_t(s) * 2 * kKv + t) & (kRecords - 1);
@@ -283,6 +402,80 @@ __global__ void __launch_bounds__(3 * kWarpgroup, 1)
     named_arrive(empty(stage), kUsers);
   }
   c.finish(out + blockIdx.x);
+}
+
+// D (kPingPong false) and E (true): C's producer and stages; the consumers pipelined. Named
+// barriers as in C, plus turn(0), turn(1) = 1 + 2 kStages, 2 + 2 kStages for E's order.
+template <int kStages, bool kPingPong>
+__global__ void __launch_bounds__(3 * kWarpgroup, 1)
+    ProbePipelined(const uint8_t* codes, const uint8_t* scales, int steps, float* out) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  static_assert(2 * kStages + 2 <= 16, "named barriers");
+  constexpr int kUsers = 3 * kWarpgroup;
+  const int wg = threadIdx.x / kWarpgroup, t = threadIdx.x % kWarpgroup;
+  const auto full = [](int stage) { return 1 + stage; };
+  const auto empty = [](int stage) { return 1 + kStages + stage; };
+  const auto turn = [](int consumer) { return 1 + 2 * kStages + consumer; };
+  if (wg == 0) {
+    registers_down<kProducerRegisters>();
+    const int side = t / kKv, position = t % kKv;
+    Raw next = load_raw(codes, scales, record_of(blockIdx.x, 0, t));
+    for (int s = 0; s < steps; ++s) {
+      const int stage = s % kStages;
+      const Raw raw = next;
+      if (s + 1 < steps) next = load_raw(codes, scales, record_of(blockIdx.x, s + 1, t));
+      if (s >= kStages) named_sync(empty(stage), kUsers);
+      convert<true>(raw, position, smem + stage * kStageBytes + side * kSideBytes);
+      fence_async_shared();
+      named_arrive(full(stage), kUsers);
+    }
+    return;
+  }
+  registers_up<kConsumerRegisters>();
+  const int consumer = wg - 1;
+  PipelinedConsumer pc;
+  pc.c.init(blockIdx.x * 2 + consumer);
+  const float score_scale = 0.0625f;
+  float alpha[2];
+  const uint64_t k_desc = swizzled_desc(smem, 16, 1024);
+  const uint64_t v_desc = swizzled_desc(smem + kSideBytes, kBlockBytes, 1024);
+  // Step 0 alone (nothing to multiply by V yet), then whole rounds of the stages.
+  named_sync(full(0), kUsers);
+  if (kPingPong && consumer == 1) named_sync(turn(1), 2 * kWarpgroup);
+  pc.issue_scores(k_desc);
+  if (kPingPong) named_arrive(turn(1 - consumer), 2 * kWarpgroup);
+  wgmma_wait<0>();
+  pc.softmax(score_scale, alpha);
+  pc.rescale_and_pack(alpha);
+  // Consumer 0 issues first (it skipped its first wait); each arrives at the other's turn after
+  // it has issued; consumer 0 takes consumer 1's last arrival at the end (every arrival is
+  // waited for).
+  for (int s0 = 0; s0 < steps; s0 += kStages) {
+#pragma unroll
+    for (int j = 1; j <= kStages; ++j) {
+      const int s = s0 + j;
+      if (s >= steps) break;
+      const int stage = j % kStages, before = j - 1;  // compile-time after unrolling
+      named_sync(full(stage), kUsers);
+      if (kPingPong) named_sync(turn(consumer), 2 * kWarpgroup);
+      pc.issue_scores(desc_plus(k_desc, stage * kStageBytes));
+      pc.issue_values(desc_plus(v_desc, before * kStageBytes));
+      if (kPingPong) named_arrive(turn(1 - consumer), 2 * kWarpgroup);
+      wgmma_wait<1>();
+      pc.softmax(score_scale, alpha);
+      wgmma_wait<0>();
+      named_arrive(empty(before), kUsers);
+      pc.rescale_and_pack(alpha);
+    }
+  }
+  const int last = (steps - 1) % kStages;
+  pc.issue_values(desc_plus(v_desc, last * kStageBytes));
+  wgmma_wait<0>();
+  named_arrive(empty(last), kUsers);
+  if (kPingPong && consumer == 0) named_sync(turn(0), 2 * kWarpgroup);
+  float(&oacc)[kHead / 2] = reinterpret_cast<float(&)[kHead / 2]>(pc.c.o);
+  wgmma_fence_operands(oacc);
+  pc.c.finish(out + blockIdx.x);
 }
 
 template <typename Kernel>
@@ -362,6 +555,11 @@ int main(int argc, char** argv) {
        3 * kWarpgroup, 3 * kStageBytes, 2},
       {"C0 the same (3 stages) without the conversion", ProbeSpecialised<false, true, 3>, 1,
        3 * kWarpgroup, 3 * kStageBytes, 2},
+      // D, E: C with pipelined consumers (stage n - 1 is read by P V while n is scored).
+      {"D  C + async consumers (S(n) with PV(n-1)), 4 stages", ProbePipelined<4, false>, 1, 3 * kWarpgroup,
+       4 * kStageBytes, 2},
+      {"E  D + ping-pong consumers, 4 stages", ProbePipelined<4, true>, 1, 3 * kWarpgroup,
+       4 * kStageBytes, 2},
   };
   for (const Variant& v : variants) {
     const int ctas = v.ctas_per_sm * sms;
