@@ -217,12 +217,6 @@ struct Consumer {
 __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
-}
 
 // Hands registers between warpgroups (sm_90a): the producer needs few, a pipelined consumer
 // more than the 168 a thread that 384 threads get at launch (128 x 56 + 256 x 224 <= 64 K; at 24 registers the producer spilled 102 times a step).
@@ -236,14 +230,6 @@ __device__ __forceinline__ void registers_up() {
 }
 constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 
-// Waits until at most N committed wgmma groups of this warpgroup are pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
 // Keeps A-fragment registers in place until here (an asynchronous wgmma reads them after its
 // issue; the compiler would otherwise reuse them).
 template <int N>

@@ -131,14 +131,17 @@ struct TileWork {
   int32_t tile;   // which of its tiles (rows tile * kRows ..)
 };
 
-// The `slot`-th query tile of the batch (every lane of the warp gets it), tiles of a sequence
-// numbered from its last (longest) one so that the longest tiles start first. Sequence b owns
-// the tokens [start_b, start_{b+1}), start_b = clamp(max(cu_q_lens[0..b]), 0, T), b < ns.
-// Returns false for a slot past the last tile.
-__device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t num_tokens,
-                                          int32_t group, int32_t slot, int lane, TileWork* w) {
+// The `slot`-th unit of work of the batch (every lane of the warp gets it), where a sequence of
+// q_len query tokens has units_of(q_len) units, numbered from its last one (w->tile: the unit's
+// index in its sequence, counted from the first) so that the longest tiles start first.
+// Sequence b owns the tokens [start_b, start_{b+1}), start_b = clamp(max(cu_q_lens[0..b]), 0,
+// T), b < ns. Returns false for a slot past the last unit.
+template <typename UnitsOf>
+__device__ __forceinline__ bool find_unit(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                          int32_t slot, int lane, const UnitsOf& units_of,
+                                          TileWork* w) {
   int32_t running = INT_MIN;  // max of cu[0 .. base - 1]
-  int32_t before = 0;         // tiles of the sequences before base
+  int32_t before = 0;         // units of the sequences before base
   for (int32_t base = 0; base < ns; base += 32) {
     const int32_t b = base + lane;
     const bool live = b < ns;
@@ -154,14 +157,14 @@ __device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t
     const int32_t s0 = min(max(m, 0), num_tokens);
     const int32_t s1 = min(max(max(m, c1), 0), num_tokens);
     const int32_t q_len = live ? s1 - s0 : 0;
-    const int32_t tiles = (q_len * group + kRows - 1) / kRows;
-    int32_t incl = tiles;
+    const int32_t units = live ? units_of(q_len) : 0;
+    int32_t incl = units;
 #pragma unroll
     for (int d = 1; d < 32; d *= 2) {
       const int32_t other = __shfl_up_sync(kFullMask, incl, d);
       if (lane >= d) incl += other;
     }
-    const int32_t lo = before + incl - tiles, hi = before + incl;
+    const int32_t lo = before + incl - units, hi = before + incl;
     const uint32_t hit = __ballot_sync(kFullMask, live && slot >= lo && slot < hi);
     if (hit) {
       const int src = __ffs(hit) - 1;
@@ -169,13 +172,25 @@ __device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t
       w->start = __shfl_sync(kFullMask, s0, src);
       w->q_len = __shfl_sync(kFullMask, q_len, src);
       const int32_t local = slot - __shfl_sync(kFullMask, lo, src);
-      w->tile = __shfl_sync(kFullMask, tiles, src) - 1 - local;
+      w->tile = __shfl_sync(kFullMask, units, src) - 1 - local;
       return true;
     }
     running = __shfl_sync(kFullMask, m, 31);
     before = __shfl_sync(kFullMask, hi, 31);
   }
   return false;
+}
+
+// The query tiles of a sequence: its q_len x group rows in tiles of kRows.
+__host__ __device__ __forceinline__ int32_t tiles_of(int32_t q_len, int32_t group) {
+  return (q_len * group + kRows - 1) / kRows;
+}
+
+// The `slot`-th query tile of the batch (find_unit: a unit is a tile).
+__device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                          int32_t group, int32_t slot, int lane, TileWork* w) {
+  return find_unit(cu, ns, num_tokens, slot, lane,
+                   [group](int32_t q_len) { return tiles_of(q_len, group); }, w);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -290,6 +305,44 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
 }
 
 // ------------------------------------------------------------------------------------------
+// The pipelined prefill kernel's constants and the sequences it takes (the kernel is below the
+// ragged kernel, which skips those sequences when it runs).
+
+#ifndef NVFP4_RAGGED_PIPELINED
+#define NVFP4_RAGGED_PIPELINED 0
+#endif
+
+constexpr int kPipelinedHead = 128;
+constexpr int32_t kPipelinedMinRows = 32;  // more rows than this: the tiles are wgmma tiles
+constexpr int kPipeStages = 4;             // fp16 K/V stages between producer and consumers
+constexpr int kPipeThreads = 3 * kThreads;
+// 128 x 56 + 256 x 224 registers <= 64 K (the probe: at 24 the producer spilled, D ran 0.64x)
+constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+
+// Shared memory: the fp16 stages (1024-byte aligned), the raw ring, both tiles' q, row data.
+struct PipeShape {
+  using R = RaggedShape<kPipelinedHead>;
+  static constexpr int kRingOffset = kPipeStages * R::kKvBytes;
+  static constexpr int kQOffset = kRingOffset + R::kRingBytes;
+  static constexpr int kRowOffset = kQOffset + 2 * kRows * R::kStride * 2;
+  static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
+};
+
+// Named barriers (0 is __syncthreads): stage i full (the producer arrives, the consumers wait)
+// and empty (the consumers arrive, the producer waits), the producer's own, each consumer's.
+__device__ __forceinline__ int full_barrier(int stage) { return 1 + stage; }
+__device__ __forceinline__ int empty_barrier(int stage) { return 1 + kPipeStages + stage; }
+constexpr int kProducerBarrier = 1 + 2 * kPipeStages;
+__device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kPipeStages + c; }
+
+// Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs).
+__device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
+                                                int32_t group) {
+  return p.pipelined && q_len * group > kPipelinedMinRows &&
+         !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
+}
+
+// ------------------------------------------------------------------------------------------
 // The kernel.
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -356,6 +409,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 
   // The few-row kernel (ragged_few_rows.cu) takes speculative decoding's sequences.
   if (takes_few_rows(p, work.q_len, group, kHead)) return;
+  if (takes_pipelined(p, work.q_len, group)) return;  // the pipelined prefill kernel's
   if (p.decode_splits > 0 && work.q_len == 1) {
     // The decode kernel, launched after this one, attends for this one-token sequence and
     // writes its rows; with split-KV the merge below reads them first: empty partial results.
@@ -754,6 +808,409 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
   }
 }
 
+// ------------------------------------------------------------------------------------------
+// The pipelined prefill kernel (sm_90a, head size 128; benchmarks/NOTES.md, ragged v9): the
+// sequences of more than kPipelinedMinRows query rows per kv head, two 64-row tiles of one
+// sequence per CTA (design D of "Prefill: the next kernel", whose structure
+// benchmarks/prefill_pipeline_probe.cu measured at 516 TFLOP/s on an H200 against 355 for the
+// ragged kernel's). Three warpgroups: the producer copies the raw page bytes of each step (the
+// ragged kernel's cp.async ring) and converts them into one of kPipeStages fp16 K/V stages;
+// each consumer multiplies its tile's rows by every stage on wgmma, asynchronously: the scores
+// of step n and P V of step n - 1 are issued together, the softmax of step n runs while P V
+// does, and a stage goes back to the producer (named barrier) once its P V is done. Registers
+// move from the producer to the consumers (setmaxnreg). Each consumer keeps every position of
+// its rows, so it writes them itself (no merge between warps).
+// Launched only in a build with -DNVFP4_RAGGED_PIPELINED=1 until it has run on a GPU.
+template <bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kPipeThreads, 1)
+    PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHead = kPipelinedHead;
+  using R = RaggedShape<kHead>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* const ring = smem + PipeShape::kRingOffset;
+  uint16_t* const q_smem = reinterpret_cast<uint16_t*>(smem + PipeShape::kQOffset);
+  int32_t* const row_end = reinterpret_cast<int32_t*>(smem + PipeShape::kRowOffset);
+  float* const row_scale = reinterpret_cast<float*>(row_end + 2 * kRows);
+  int32_t* const row_q = row_end + 4 * kRows;
+
+  const int lane = threadIdx.x & 31;
+  const int wg = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
+  uint32_t head;
+  const int32_t slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
+  const int32_t kv_head = int32_t(head);
+  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
+  const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
+  const int32_t group = int32_t(grid.group.divisor);
+  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
+  const int32_t ns =
+      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
+  const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
+
+  // The CTA's pair of tiles: pair k from a sequence's end holds its tiles T - 1 - 2k (consumer
+  // 0) and T - 2 - 2k (consumer 1; none for the first tile of an odd count).
+  TileWork work;
+  const auto pairs_of = [&](int32_t q_len) {
+    return takes_pipelined(p, q_len, group) ? (tiles_of(q_len, group) + 1) / 2 : 0;
+  };
+  if (!find_unit(cu, ns, num_tokens, slot, lane, pairs_of, &work)) return;
+  const int32_t rows_seq = work.q_len * group;
+  const int32_t pairs = (tiles_of(work.q_len, group) + 1) / 2;
+  const int32_t first_tile = tiles_of(work.q_len, group) - 1 - 2 * (pairs - 1 - work.tile);
+  const auto rows_of = [&](int c) {  // rows of consumer c's tile (0: none)
+    const int32_t tile = first_tile - c;
+    return tile < 0 ? 0 : min(kRows, rows_seq - tile * kRows);
+  };
+
+  const int32_t block_size = int32_t(grid.block_size.divisor);
+  const int32_t capacity = p.max_blocks * block_size;
+  const int32_t kv_len =
+      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq), 0);
+  const auto row_limit = [&](int32_t j) {  // positions query j attends to
+    return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
+  };
+  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
+  const int32_t split_end =
+      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
+  // Consumer 0's tile is the later one: its last row ends last.
+  const int32_t last_end =
+      min(row_limit(grid.group.div(uint32_t(first_tile * kRows + rows_of(0) - 1))), split_end);
+  const auto q_row_of = [&](int c, int r) {  // row r of consumer c's tile among [T, Hq]
+    uint32_t qh;
+    const uint32_t j = grid.group.divmod(uint32_t((first_tile - c) * kRows + r), &qh);
+    return member_rows + int64_t(work.start + int32_t(j)) * p.num_q_heads + kv_head * group +
+           int32_t(qh);
+  };
+  if (begin >= last_end) {  // nothing to attend to in this split
+    if (wg > 0)
+      for (int i = t; i < rows_of(wg - 1) * kHead; i += kThreads)
+        write_empty(p, q_row_of(wg - 1, i / kHead), split, i % kHead, kHead);
+    return;
+  }
+  const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
+  const uint32_t end = uint32_t(last_end);
+
+  if (wg == 0) {
+    // The producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
+    PageView<kLayout> pv;
+    const int32_t side_bytes = int32_t(p.page.side_bytes());
+    pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+    pv.table = p.block_tables +
+               ((p.tables_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq) * p.max_blocks;
+    pv.page_bytes = 2 * int64_t(side_bytes);
+    pv.side_bytes = side_bytes;
+    pv.side_data = int32_t(p.page.side_data_bytes());
+    pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
+    pv.num_kv_heads = int32_t(p.page.num_kv_heads);
+    pv.last_page = p.num_blocks - 1;
+    pv.block_size = grid.block_size;
+    pv.tile_in_page = false;
+    static_assert(R::kThreadsPerVector == 1, "one producer thread per (position, side)");
+    const int side = t / R::kKv, vector = t % R::kKv;
+    const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
+    const auto position = [&](int step) { return uint32_t(begin + step * R::kKv + vector); };
+    const auto page_of = [&](int step) {
+      const uint32_t pos = position(step);
+      return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
+    };
+    const auto copy_step = [&](int step, int32_t page) {
+      const uint32_t pos = position(step);
+      uint32_t row;
+      grid.block_size.divmod(pos, &row);
+      copy_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged, pv,
+                                   page, pos, end, row, side, 0);
+    };
+#pragma unroll
+    for (int step = 0; step < R::kStages - 1; ++step) {
+      if (step < num_steps) copy_step(step, page_of(step));
+      copy_async_commit();
+    }
+    int32_t page_ahead = page_of(R::kStages - 1);
+#pragma unroll 1
+    for (int step = 0; step < num_steps; ++step) {
+      const int stage = step % kPipeStages;
+      // This step's bytes have landed (the barrier: every producer thread's; also every
+      // producer thread is done converting the step before, whose ring stage is reused below).
+      copy_async_wait<R::kStages - 2>();
+      named_sync(kProducerBarrier, kThreads);
+      if (step >= kPipeStages) named_sync(empty_barrier(stage), kPipeThreads);
+      convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
+                                      side, vector, 0, position(step) < end,
+                                      smem + stage * R::kKvBytes + side * R::kSideBytes);
+      const int ahead = step + R::kStages - 1;
+      if (ahead < num_steps) {
+        copy_step(ahead, page_ahead);
+        page_ahead = page_of(ahead + 1);
+      }
+      copy_async_commit();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma next
+      named_arrive(full_barrier(stage), kPipeThreads);
+    }
+    copy_async_wait<0>();
+    // The stages' last hand-backs, so that no barrier is left mid-phase.
+    for (int step = max(num_steps - kPipeStages, 0); step < num_steps; ++step)
+      named_sync(empty_barrier(step % kPipeStages), kPipeThreads);
+    return;
+  }
+
+  // A consumer.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
+  const int c = wg - 1;
+  const int rows_here = rows_of(c);
+  const int warp = t >> 5, g = lane >> 2, qd = lane & 3;
+  const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+  const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+  const float qk_scale = k_scale * sm_scale;
+  uint16_t* const my_q = q_smem + c * kRows * R::kStride;
+  int32_t* const my_end = row_end + c * kRows;
+  float* const my_scale = row_scale + c * kRows;
+  int32_t* const my_q_row = row_q + c * kRows;
+  {
+    // q into shared memory as in the ragged kernel: two threads per row, fp16 after the row's
+    // power-of-two scale (with the score scale's sign), head dims permuted like K.
+    const int r = t >> 1, half = t & 1;
+    const bool valid = r < rows_here;
+    constexpr int kDims = kHead / 2;
+    const int64_t q_row = valid ? q_row_of(c, r) : 0;
+    const int64_t q_at = q_row * kHead + half * kDims;
+    float amax = 0.f;
+    if (valid) {
+#pragma unroll 4
+      for (int i = 0; i < kDims; i += 8) {
+        float v[8];
+        load_q8(p.q, p.q_type, q_at + i, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+      }
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+    const int exponent = q_exponent(amax);
+    PowerOfTwo times(exponent);
+    if (qk_scale < 0.f) times.lo = -times.lo;
+    uint16_t* dst = my_q + r * R::kStride + half * kDims;
+#pragma unroll 4
+    for (int i = 0; i < kDims; i += 8) {
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (valid) load_q8(p.q, p.q_type, q_at + i, v);
+      *reinterpret_cast<uint4*>(dst + i) = make_uint4(
+          pack_f16x2(times(v[0]), times(v[4])), pack_f16x2(times(v[2]), times(v[6])),
+          pack_f16x2(times(v[1]), times(v[5])), pack_f16x2(times(v[3]), times(v[7])));
+    }
+    if (half == 0) {
+      const int32_t row = (first_tile - c) * kRows + r;
+      my_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(max(row, 0)))), split_end) : 0;
+      my_scale[r] = ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
+      my_q_row[r] = valid ? int32_t(q_row - member_rows) : -1;
+    }
+  }
+  named_sync(consumer_barrier(c), kThreads);
+
+  uint32_t qf[R::kKSteps][4];
+#pragma unroll
+  for (int k = 0; k < R::kKSteps; ++k)
+    ldmatrix_x4(qf[k], my_q + (warp * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
+  const int my_row0 = warp * 16 + g;
+  const int32_t limit[2] = {my_end[my_row0], my_end[my_row0 + 8]};
+  const float score_scale[2] = {my_scale[my_row0], my_scale[my_row0 + 8]};
+  int32_t warp_min_end = INT_MAX;  // the smallest end among the warp's rows
+  {
+    const int r = warp * 16 + (lane & 15);
+    warp_min_end = r < rows_here ? my_end[r] : INT_MAX;
+#pragma unroll
+    for (int d = 8; d > 0; d /= 2)
+      warp_min_end = min(warp_min_end, __shfl_xor_sync(kFullMask, warp_min_end, d));
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[R::kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[i][k] = 0.f;
+  float s[R::kSTiles][4];
+  uint32_t a[R::kPSteps][4];  // P of the step before, wgmma A fragments
+  const uint64_t k_desc = swizzled_desc(smem, 16, 1024);
+  const uint64_t v_desc = swizzled_desc(smem + R::kSideBytes, R::kBlockBytes, 1024);
+
+  const auto issue_scores = [&](int stage) {
+#pragma unroll
+    for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[i][k] = 0.f;
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < R::kKSteps; ++k)
+      wgmma_64x64<0>(acc, qf[k], desc_plus(k_desc, stage * R::kKvBytes + (k / 4) * R::kBlockBytes +
+                                                       (k % 4) * 32));
+    wgmma_commit();
+  };
+  const auto issue_values = [&](int stage) {
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < R::kPSteps; ++k)
+      wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * R::kKvBytes + 16 * k * 128));
+    wgmma_commit();
+  };
+  // The online softmax of step `step`'s scores (landed), as in the ragged kernel: masked steps
+  // scale, mask and subtract; the others take the max of the raw scores and one FFMA each.
+  const auto softmax = [&](int step, float (&alpha)[2]) {
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    const int32_t step_base = begin + step * R::kKv;
+    const bool masked = step_base + R::kKv > warp_min_end;
+    float top[2] = {m[0], m[1]};
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float x = s[i][k] * score_scale[k >> 1];
+          if (step_base + 8 * i + 2 * qd + (k & 1) >= limit[k >> 1]) x = -INFINITY;
+          s[i][k] = x;
+          top[k >> 1] = fmaxf(top[k >> 1], x);
+        }
+    } else {
+      float raw_top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) raw_top[k >> 1] = fmaxf(raw_top[k >> 1], s[i][k]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * score_scale[h]);
+    }
+    float offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
+      offset[h] = top[h] == -INFINITY ? 0.f : top[h];
+      alpha[h] = exp2_approx(m[h] - offset[h]);
+      m[h] = top[h];
+      l[h] *= alpha[h];
+    }
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s[i][k] = exp2_approx(s[i][k] - offset[k >> 1]);
+          l[k >> 1] += s[i][k];
+        }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s[i][k] = exp2_approx(__fmaf_rn(s[i][k], score_scale[k >> 1], -offset[k >> 1]));
+          l[k >> 1] += s[i][k];
+        }
+    }
+    // (the results taken by an empty asm: the softmax is done before the caller's wait)
+    wgmma_fence_operands(acc);
+  };
+  // After the P V of the step before is done: O rescaled to the new max, P packed.
+  const auto rescale_and_pack = [&](const float (&alpha)[2]) {
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[i][k] *= alpha[k >> 1];
+    }
+#pragma unroll
+    for (int k = 0; k < R::kPSteps; ++k) {
+      a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
+      a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
+      a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
+      a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
+    }
+  };
+
+  if (rows_here == 0) {  // no tile: hand every stage back unread
+    for (int step = 0; step < num_steps; ++step) {
+      named_sync(full_barrier(step % kPipeStages), kPipeThreads);
+      named_arrive(empty_barrier(step % kPipeStages), kPipeThreads);
+    }
+    return;
+  }
+  float alpha[2];
+  named_sync(full_barrier(0), kPipeThreads);
+  issue_scores(0);
+  wgmma_wait<0>();
+  softmax(0, alpha);
+  rescale_and_pack(alpha);
+  // Then whole rounds of the stages, unrolled: the stage offsets are constants (stage
+  // arithmetic in uniform registers while a product is in flight made ptxas wait for it).
+#pragma unroll 1
+  for (int round = 0; round < num_steps; round += kPipeStages) {
+#pragma unroll
+    for (int j = 1; j <= kPipeStages; ++j) {
+      const int step = round + j;
+      if (step >= num_steps) break;
+      const int stage = j % kPipeStages, before = j - 1;
+      named_sync(full_barrier(stage), kPipeThreads);
+      issue_scores(stage);
+      issue_values(before);
+      wgmma_wait<1>();
+      softmax(step, alpha);
+      wgmma_wait<0>();
+      named_arrive(empty_barrier(before), kPipeThreads);
+      rescale_and_pack(alpha);
+    }
+  }
+  const int last = (num_steps - 1) % kPipeStages;
+  issue_values(last);
+  wgmma_wait<0>();
+  named_arrive(empty_barrier(last), kPipeThreads);
+  {
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+  }
+
+  // Each thread writes its two rows' dims (8 t + the permuted dim, + 4): the row sums over the
+  // row's 4 lanes first. A row that saw nothing in this split gets the empty result.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+  }
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  const int dim = permuted_dim_even(qd);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row0 + 8 * h;
+    if (r >= rows_here) continue;
+    const int64_t row = member_rows + my_q_row[r];
+    const bool empty = m[h] == -INFINITY && !isnan(l[h]);
+    const float lse2 = m[h] + __log2f(l[h]);
+#pragma unroll
+    for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int d = 8 * i + dim + 4 * k;
+        if (empty) {
+          write_empty(p, row, split, d, kHead);
+          continue;
+        }
+        const float value = o[i][2 * h + k] / l[h];
+        if (p.num_splits == 1) {
+          store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
+          if (d == 0) p.lse[row] = lse2 * kLn2;
+        } else {
+          p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+          if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+        }
+      }
+  }
+#endif
+}
+
 // Combines the splits of each (member, token, query head) row.
 template <int kHead>
 __global__ void __launch_bounds__(kHead) RaggedMergeKernel(const RaggedProblem p) {
@@ -788,18 +1245,54 @@ cudaError_t Configure() {
       RaggedShape<kHead>::kSmemBytes);
 }
 
+// Whether this GPU runs the pipelined prefill kernel: built in (NVFP4_RAGGED_PIPELINED) and an
+// sm_90 device (the build's 90a code; setmaxnreg and wgmma). Asked once per process (an
+// attribute query, allowed while XLA captures a command buffer).
+bool PipelinedPrefillRuns() {
+  if (!NVFP4_RAGGED_PIPELINED) return false;
+  static std::atomic<int> runs{-1};
+  int known = runs.load(std::memory_order_relaxed);
+  if (known < 0) {
+    int device = 0, major = 0, minor = 0;
+    known = cudaGetDevice(&device) == cudaSuccess &&
+            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+                cudaSuccess &&
+            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+                cudaSuccess &&
+            major == 9 && minor == 0;
+    runs.store(known, std::memory_order_relaxed);
+  }
+  return known == 1;
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
-cudaError_t Launch(cudaStream_t stream, const RaggedProblem& p) {
+cudaError_t Launch(cudaStream_t stream, const RaggedProblem& caller_problem) {
   using R = RaggedShape<kHead>;
   const auto kernel = RaggedKernel<kHead, kSwizzle, kLayout>;
   const cudaError_t configured = Configure<kHead, kSwizzle, kLayout>();
   if (configured != cudaSuccess) return configured;
+  RaggedProblem p = caller_problem;
   const RaggedGrid grid{int32_t(TileSlots(p)), FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
+  cudaError_t error = cudaSuccess;
+  if constexpr (kHead == kPipelinedHead) {
+    // The long sequences on the pipelined prefill kernel (a CTA per pair of their tiles: at
+    // most as many as tile slots), before the ragged kernel, which then skips them.
+    if (!p.few_rows_only && PipelinedPrefillRuns()) {
+      error = ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout>>(
+          PipeShape::kSmemBytes);
+      if (error != cudaSuccess) return error;
+      p.pipelined = 1;
+      PipelinedPrefillKernel<kSwizzle, kLayout><<<dim3(uint32_t(TileSlots(p) * p.page.num_kv_heads), 1,
+                       uint32_t(p.stacked * p.num_splits)),
+                  kPipeThreads, PipeShape::kSmemBytes, stream>>>(p, grid);
+      error = cudaGetLastError();
+      if (error != cudaSuccess) return error;
+    }
+  }
   const dim3 blocks(uint32_t((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  cudaError_t error = cudaSuccess;
   if (!p.few_rows_only) {  // (alone, the few-row kernel takes every sequence and the fill)
     kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
     error = cudaGetLastError();

@@ -86,6 +86,10 @@ struct RaggedProblem {
   // too) and zero the unowned tokens, launched alone (no ragged or decode kernel).
   int32_t max_q_len;
   int32_t few_rows_only;
+  // Set by the launch, not the caller: the pipelined prefill kernel (ragged_cuda.cu) takes the
+  // sequences of more than kPipelinedMinRows query rows per kv head; the ragged kernel skips
+  // them.
+  int32_t pipelined = 0;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {
@@ -203,6 +207,7 @@ inline ffi::Error MakeRaggedProblem(
   p->decode_partial_lse = decode_partial_lse->typed_data();
   p->max_q_len = max_q_len;
   p->few_rows_only = few_rows_only;
+  p->pipelined = 0;
   return ffi::Error::Success();
 }
 

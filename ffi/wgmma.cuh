@@ -70,6 +70,29 @@ __device__ __forceinline__ void wgmma_commit_and_wait() {
 #endif
 }
 
+// Asynchronous use (the pipelined prefill kernel): commit the wgmma issued since the last
+// commit as a group; wait until at most N committed groups are pending.
+__device__ __forceinline__ void wgmma_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// Named barriers between warpgroups: `threads` threads (a multiple of 32) take part, some
+// waiting (sync), the others only arriving.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // d[64 x 64] += a[64 x 16] b[16 x 64]; kTransB: b is MN-major (else K-major).
 template <int kTransB>
 __device__ __forceinline__ void wgmma_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
