@@ -336,9 +336,11 @@ constexpr int kProducerBarrier = 1 + 2 * kPipeStages;
 __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kPipeStages + c; }
 
 // Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs).
+// (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
+// the launch also checks, PipelinedPrefillRuns.)
 __device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
                                                 int32_t group) {
-  return p.pipelined && q_len * group > kPipelinedMinRows &&
+  return kHasWgmma && p.pipelined && q_len * group > kPipelinedMinRows &&
          !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
 }
 
@@ -819,7 +821,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 // of step n and P V of step n - 1 are issued together, the softmax of step n runs while P V
 // does, and a stage goes back to the producer (named barrier) once its P V is done. Registers
 // move from the producer to the consumers (setmaxnreg). Each consumer keeps every position of
-// its rows, so it writes them itself (no merge between warps).
+// its rows, so it writes them itself (no merge between warps). The file's rules hold, with one
+// widening: a NaN in the V of a position that only rows of consumer 0's (later) tile may see
+// reaches consumer 1's rows too when it lies in the 64-position step where consumer 1's rows
+// end (through 0 x NaN in P V; the ragged kernel converts such positions as zeros).
 // Launched only in a build with -DNVFP4_RAGGED_PIPELINED=1 until it has run on a GPU.
 template <bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kPipeThreads, 1)
@@ -1132,45 +1137,51 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     }
   };
 
-  if (rows_here == 0) {  // no tile: hand every stage back unread
-    for (int step = 0; step < num_steps; ++step) {
-      named_sync(full_barrier(step % kPipeStages), kPipeThreads);
-      named_arrive(empty_barrier(step % kPipeStages), kPipeThreads);
-    }
-    return;
-  }
-  float alpha[2];
-  named_sync(full_barrier(0), kPipeThreads);
-  issue_scores(0);
-  wgmma_wait<0>();
-  softmax(0, alpha);
-  rescale_and_pack(alpha);
-  // Then whole rounds of the stages, unrolled: the stage offsets are constants (stage
-  // arithmetic in uniform registers while a product is in flight made ptxas wait for it).
+  // This consumer's own steps: up to the end of its last row (consumer 1's tile ends before
+  // consumer 0's; a consumer without a tile has none). Past them it hands the stages back
+  // unread, so that the positions only consumer 0's rows see never enter consumer 1's P V.
+  const int32_t own_end =
+      rows_here > 0
+          ? min(row_limit(grid.group.div(uint32_t((first_tile - c) * kRows + rows_here - 1))),
+                split_end)
+          : begin;
+  const int my_steps = own_end > begin ? (own_end - begin + R::kKv - 1) / R::kKv : 0;
+  if (my_steps > 0) {
+    float alpha[2];
+    named_sync(full_barrier(0), kPipeThreads);
+    issue_scores(0);
+    wgmma_wait<0>();
+    softmax(0, alpha);
+    rescale_and_pack(alpha);
+    // Then whole rounds of the stages, unrolled: the stage offsets are constants (stage
+    // arithmetic in uniform registers while a product is in flight made ptxas wait for it).
 #pragma unroll 1
-  for (int round = 0; round < num_steps; round += kPipeStages) {
+    for (int round = 0; round < my_steps; round += kPipeStages) {
 #pragma unroll
-    for (int j = 1; j <= kPipeStages; ++j) {
-      const int step = round + j;
-      if (step >= num_steps) break;
-      const int stage = j % kPipeStages, before = j - 1;
-      named_sync(full_barrier(stage), kPipeThreads);
-      issue_scores(stage);
-      issue_values(before);
-      wgmma_wait<1>();
-      softmax(step, alpha);
-      wgmma_wait<0>();
-      named_arrive(empty_barrier(before), kPipeThreads);
-      rescale_and_pack(alpha);
+      for (int j = 1; j <= kPipeStages; ++j) {
+        const int step = round + j;
+        if (step >= my_steps) break;
+        const int stage = j % kPipeStages, before = j - 1;
+        named_sync(full_barrier(stage), kPipeThreads);
+        issue_scores(stage);
+        issue_values(before);
+        wgmma_wait<1>();
+        softmax(step, alpha);
+        wgmma_wait<0>();
+        named_arrive(empty_barrier(before), kPipeThreads);
+        rescale_and_pack(alpha);
+      }
     }
-  }
-  const int last = (num_steps - 1) % kPipeStages;
-  issue_values(last);
-  wgmma_wait<0>();
-  named_arrive(empty_barrier(last), kPipeThreads);
-  {
+    const int last = (my_steps - 1) % kPipeStages;
+    issue_values(last);
+    wgmma_wait<0>();
+    named_arrive(empty_barrier(last), kPipeThreads);
     float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
     wgmma_fence_operands(acc);
+  }
+  for (int step = my_steps; step < num_steps; ++step) {
+    named_sync(full_barrier(step % kPipeStages), kPipeThreads);
+    named_arrive(empty_barrier(step % kPipeStages), kPipeThreads);
   }
 
   // Each thread writes its two rows' dims (8 t + the permuted dim, + 4): the row sums over the
@@ -1208,6 +1219,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         }
       }
   }
+#else
+  __trap();  // launched only where the build has sm_90a code (PipelinedPrefillRuns)
 #endif
 }
 
@@ -1245,24 +1258,35 @@ cudaError_t Configure() {
       RaggedShape<kHead>::kSmemBytes);
 }
 
-// Whether this GPU runs the pipelined prefill kernel: built in (NVFP4_RAGGED_PIPELINED) and an
-// sm_90 device (the build's 90a code; setmaxnreg and wgmma). Asked once per process (an
+// Whether the current GPU runs the pipelined prefill kernel: built in (NVFP4_RAGGED_PIPELINED),
+// an sm_90 device, and the build's code for it the sm_90a kernel, whose register hand-over
+// (setmaxnreg) needs exactly the launch's 168 registers a thread: asked once per device (an
 // attribute query, allowed while XLA captures a command buffer).
+template <bool kSwizzle, Layout kLayout>
 bool PipelinedPrefillRuns() {
   if (!NVFP4_RAGGED_PIPELINED) return false;
-  static std::atomic<int> runs{-1};
-  int known = runs.load(std::memory_order_relaxed);
-  if (known < 0) {
-    int device = 0, major = 0, minor = 0;
-    known = cudaGetDevice(&device) == cudaSuccess &&
-            cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
-                cudaSuccess &&
-            cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
-                cudaSuccess &&
-            major == 9 && minor == 0;
-    runs.store(known, std::memory_order_relaxed);
+  static std::atomic<uint64_t> asked{0}, runs{0};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  const uint64_t bit = uint64_t(1) << device;
+  if (!(asked.load(std::memory_order_acquire) & bit)) {
+    int major = 0, minor = 0;
+    cudaFuncAttributes attributes{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+            cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+            cudaSuccess &&
+        major == 9 && minor == 0 &&
+        cudaFuncGetAttributes(&attributes, PipelinedPrefillKernel<kSwizzle, kLayout>) ==
+            cudaSuccess &&
+        attributes.numRegs * kPipeThreads ==
+            kThreads * (kProducerRegisters + 2 * kConsumerRegisters);
+    if (!ok) cudaGetLastError();  // (a failed query is an answer, not an error of the call)
+    if (ok) runs.fetch_or(bit, std::memory_order_release);
+    asked.fetch_or(bit, std::memory_order_release);
   }
-  return known == 1;
+  return runs.load(std::memory_order_acquire) & bit;
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -1277,16 +1301,24 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& caller_problem) {
                         FastDivmod(uint32_t(p.page.block_size))};
   cudaError_t error = cudaSuccess;
   if constexpr (kHead == kPipelinedHead) {
-    // The long sequences on the pipelined prefill kernel (a CTA per pair of their tiles: at
-    // most as many as tile slots), before the ragged kernel, which then skips them.
-    if (!p.few_rows_only && PipelinedPrefillRuns()) {
+    // The long sequences on the pipelined prefill kernel, before the ragged kernel, which then
+    // skips them. A CTA per pair of tiles: a sequence it takes has more than kPipelinedMinRows
+    // rows and at most rows / (kPipelinedMinRows + 1) pairs, so the rows bound the slots (and
+    // with a max_q_len bound below them, nothing is launched).
+    const int64_t rows = int64_t(p.num_tokens) * (p.num_q_heads / p.page.num_kv_heads);
+    const int64_t row_bound =
+        p.max_q_len > 0 ? int64_t(p.max_q_len) * (p.num_q_heads / p.page.num_kv_heads) : rows;
+    const int64_t pair_slots = std::min(TileSlots(p), rows / (kPipelinedMinRows + 1));
+    if (!p.few_rows_only && row_bound > kPipelinedMinRows && pair_slots > 0 &&
+        PipelinedPrefillRuns<kSwizzle, kLayout>()) {
       error = ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout>>(
           PipeShape::kSmemBytes);
       if (error != cudaSuccess) return error;
       p.pipelined = 1;
-      PipelinedPrefillKernel<kSwizzle, kLayout><<<dim3(uint32_t(TileSlots(p) * p.page.num_kv_heads), 1,
-                       uint32_t(p.stacked * p.num_splits)),
-                  kPipeThreads, PipeShape::kSmemBytes, stream>>>(p, grid);
+      PipelinedPrefillKernel<kSwizzle, kLayout>
+          <<<dim3(uint32_t(pair_slots * p.page.num_kv_heads), 1,
+                  uint32_t(p.stacked * p.num_splits)),
+             kPipeThreads, PipeShape::kSmemBytes, stream>>>(p, grid);
       error = cudaGetLastError();
       if (error != cudaSuccess) return error;
     }
