@@ -255,6 +255,10 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
 // kernel's handler launches it after the ragged kernel and before the merge, or alone
 // (p.few_rows_only), when it also zeroes the tokens no sequence owns.
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p);
+// The pipelined prefill kernel (ragged_pipelined.cu, takes_pipelined) for the long sequences,
+// where it runs (built in, an sm_90 GPU, head size 128): it sets p->pipelined, and the ragged
+// kernel, launched next with *p, skips those sequences. Otherwise it launches nothing.
+cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p);
 #endif
 
 template <typename Binding>

@@ -1,0 +1,486 @@
+// The pipelined prefill kernel of ragged paged attention (sm_90a, head size 128;
+// benchmarks/NOTES.md, ragged v9): the
+// sequences of more than kPipelinedMinRows query rows per kv head, two 64-row tiles of one
+// sequence per CTA (design D of "Prefill: the next kernel", whose structure
+// benchmarks/prefill_pipeline_probe.cu measured at 516 TFLOP/s on an H200 against 355 for the
+// ragged kernel's). Three warpgroups: the producer copies the raw page bytes of each step (the
+// ragged kernel's cp.async ring) and converts them into one of kPipeStages fp16 K/V stages;
+// each consumer multiplies its tile's rows by every stage on wgmma, asynchronously: the scores
+// of step n and P V of step n - 1 are issued together, the softmax of step n runs while P V
+// does, and a stage goes back to the producer (named barrier) once its P V is done. Registers
+// move from the producer to the consumers (setmaxnreg). Each consumer keeps every position of
+// its rows, so it writes them itself (no merge between warps). The file's rules hold, with one
+// widening: a NaN in the V of a position that only rows of consumer 0's (later) tile may see
+// reaches consumer 1's rows too when it lies in the 64-position step where consumer 1's rows
+// end (through 0 x NaN in P V; the ragged kernel converts such positions as zeros).
+// Launched (by the ragged handler, ragged_cuda.cu, before the ragged kernel) only in a build
+// with -DNVFP4_RAGGED_PIPELINED=1 until it has run on a GPU.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "attention_device.cuh"
+#include "cuda_common.cuh"
+#include "handlers.h"
+#include "ragged_device.cuh"
+#include "ragged_ffi.h"
+#include "ragged_tiles.cuh"
+#include "wgmma.cuh"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kPipeStages = 4;             // fp16 K/V stages between producer and consumers
+constexpr int kPipeThreads = 3 * kThreads;
+// 128 x 56 + 256 x 224 registers <= 64 K (the probe: at 24 the producer spilled, D ran 0.64x)
+constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+
+// Shared memory: the fp16 stages (1024-byte aligned), the raw ring, both tiles' q, row data.
+struct PipeShape {
+  using R = RaggedShape<kPipelinedHead>;
+  static constexpr int kRingOffset = kPipeStages * R::kKvBytes;
+  static constexpr int kQOffset = kRingOffset + R::kRingBytes;
+  static constexpr int kRowOffset = kQOffset + 2 * kRows * R::kStride * 2;
+  static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
+};
+
+// Named barriers (0 is __syncthreads): stage i full (the producer arrives, the consumers wait)
+// and empty (the consumers arrive, the producer waits), the producer's own, each consumer's.
+__device__ __forceinline__ int full_barrier(int stage) { return 1 + stage; }
+__device__ __forceinline__ int empty_barrier(int stage) { return 1 + kPipeStages + stage; }
+constexpr int kProducerBarrier = 1 + 2 * kPipeStages;
+__device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kPipeStages + c; }
+
+template <bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kPipeThreads, 1)
+    PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kHead = kPipelinedHead;
+  using R = RaggedShape<kHead>;
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* const ring = smem + PipeShape::kRingOffset;
+  uint16_t* const q_smem = reinterpret_cast<uint16_t*>(smem + PipeShape::kQOffset);
+  int32_t* const row_end = reinterpret_cast<int32_t*>(smem + PipeShape::kRowOffset);
+  float* const row_scale = reinterpret_cast<float*>(row_end + 2 * kRows);
+  int32_t* const row_q = row_end + 4 * kRows;
+
+  const int lane = threadIdx.x & 31;
+  const int wg = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
+  uint32_t head;
+  const int32_t slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
+  const int32_t kv_head = int32_t(head);
+  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
+  const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
+  const int32_t group = int32_t(grid.group.divisor);
+  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
+  const int32_t ns =
+      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
+  const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
+
+  // The CTA's pair of tiles: pair k from a sequence's end holds its tiles T - 1 - 2k (consumer
+  // 0) and T - 2 - 2k (consumer 1; none for the first tile of an odd count).
+  TileWork work;
+  const auto pairs_of = [&](int32_t q_len) {
+    return takes_pipelined(p, q_len, group) ? (tiles_of(q_len, group) + 1) / 2 : 0;
+  };
+  if (!find_unit(cu, ns, num_tokens, slot, lane, pairs_of, &work)) return;
+  const int32_t rows_seq = work.q_len * group;
+  const int32_t pairs = (tiles_of(work.q_len, group) + 1) / 2;
+  const int32_t first_tile = tiles_of(work.q_len, group) - 1 - 2 * (pairs - 1 - work.tile);
+  const auto rows_of = [&](int c) {  // rows of consumer c's tile (0: none)
+    const int32_t tile = first_tile - c;
+    return tile < 0 ? 0 : min(kRows, rows_seq - tile * kRows);
+  };
+
+  const int32_t block_size = int32_t(grid.block_size.divisor);
+  const int32_t capacity = p.max_blocks * block_size;
+  const int32_t kv_len =
+      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq), 0);
+  const auto row_limit = [&](int32_t j) {  // positions query j attends to
+    return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
+  };
+  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
+  const int32_t split_end =
+      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
+  // Consumer 0's tile is the later one: its last row ends last.
+  const int32_t last_end =
+      min(row_limit(grid.group.div(uint32_t(first_tile * kRows + rows_of(0) - 1))), split_end);
+  const auto q_row_of = [&](int c, int r) {  // row r of consumer c's tile among [T, Hq]
+    uint32_t qh;
+    const uint32_t j = grid.group.divmod(uint32_t((first_tile - c) * kRows + r), &qh);
+    return member_rows + int64_t(work.start + int32_t(j)) * p.num_q_heads + kv_head * group +
+           int32_t(qh);
+  };
+  if (begin >= last_end) {  // nothing to attend to in this split
+    if (wg > 0)
+      for (int i = t; i < rows_of(wg - 1) * kHead; i += kThreads)
+        write_empty(p, q_row_of(wg - 1, i / kHead), split, i % kHead, kHead);
+    return;
+  }
+  const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
+  const uint32_t end = uint32_t(last_end);
+
+  if (wg == 0) {
+    // The producer.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
+    const PageView<kLayout> pv = tile_page_view<kLayout>(p, grid, member, work.seq, kv_head);
+    static_assert(R::kThreadsPerVector == 1, "one producer thread per (position, side)");
+    const int side = t / R::kKv, vector = t % R::kKv;
+    const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
+    const auto position = [&](int step) { return uint32_t(begin + step * R::kKv + vector); };
+    const auto page_of = [&](int step) {
+      const uint32_t pos = position(step);
+      return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
+    };
+    const auto copy_step = [&](int step, int32_t page) {
+      const uint32_t pos = position(step);
+      uint32_t row;
+      grid.block_size.divmod(pos, &row);
+      copy_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged, pv,
+                                   page, pos, end, row, side, 0);
+    };
+#pragma unroll
+    for (int step = 0; step < R::kStages - 1; ++step) {
+      if (step < num_steps) copy_step(step, page_of(step));
+      copy_async_commit();
+    }
+    int32_t page_ahead = page_of(R::kStages - 1);
+#pragma unroll 1
+    for (int step = 0; step < num_steps; ++step) {
+      const int stage = step % kPipeStages;
+      // This step's bytes have landed (the barrier: every producer thread's; also every
+      // producer thread is done converting the step before, whose ring stage is reused below).
+      copy_async_wait<R::kStages - 2>();
+      named_sync(kProducerBarrier, kThreads);
+      if (step >= kPipeStages) named_sync(empty_barrier(stage), kPipeThreads);
+      convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
+                                      side, vector, 0, position(step) < end,
+                                      smem + stage * R::kKvBytes + side * R::kSideBytes);
+      const int ahead = step + R::kStages - 1;
+      if (ahead < num_steps) {
+        copy_step(ahead, page_ahead);
+        page_ahead = page_of(ahead + 1);
+      }
+      copy_async_commit();
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma next
+      named_arrive(full_barrier(stage), kPipeThreads);
+    }
+    copy_async_wait<0>();
+    // The stages' last hand-backs, so that no barrier is left mid-phase.
+    for (int step = max(num_steps - kPipeStages, 0); step < num_steps; ++step)
+      named_sync(empty_barrier(step % kPipeStages), kPipeThreads);
+    return;
+  }
+
+  // A consumer.
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
+  const int c = wg - 1;
+  const int rows_here = rows_of(c);
+  const int warp = t >> 5, g = lane >> 2, qd = lane & 3;
+  const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
+  const float sm_scale = p.sm_scale[p.sm_scale_stacked ? member : 0];
+  const float qk_scale = k_scale * sm_scale;
+  uint16_t* const my_q = q_smem + c * kRows * R::kStride;
+  int32_t* const my_end = row_end + c * kRows;
+  float* const my_scale = row_scale + c * kRows;
+  int32_t* const my_q_row = row_q + c * kRows;
+  {  // q into shared memory (stage_q_half), the rows' ends and score scales beside it
+    const int r = t >> 1, half = t & 1;
+    const bool valid = r < rows_here;
+    const int64_t q_row = valid ? q_row_of(c, r) : -1;
+    const int exponent =
+        stage_q_half<kHead>(p, q_row, half, qk_scale, my_q + r * R::kStride + half * (kHead / 2));
+    if (half == 0) {
+      const int32_t row = (first_tile - c) * kRows + r;
+      my_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(max(row, 0)))), split_end) : 0;
+      my_scale[r] = row_score_scale(qk_scale, exponent);
+      my_q_row[r] = valid ? int32_t(q_row - member_rows) : -1;
+    }
+  }
+
+  named_sync(consumer_barrier(c), kThreads);
+
+  uint32_t qf[R::kKSteps][4];
+#pragma unroll
+  for (int k = 0; k < R::kKSteps; ++k)
+    ldmatrix_x4(qf[k], my_q + (warp * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
+  const int my_row0 = warp * 16 + g;
+  const int32_t limit[2] = {my_end[my_row0], my_end[my_row0 + 8]};
+  const float score_scale[2] = {my_scale[my_row0], my_scale[my_row0 + 8]};
+  int32_t warp_min_end = INT_MAX;  // the smallest end among the warp's rows
+  {
+    const int r = warp * 16 + (lane & 15);
+    warp_min_end = r < rows_here ? my_end[r] : INT_MAX;
+#pragma unroll
+    for (int d = 8; d > 0; d /= 2)
+      warp_min_end = min(warp_min_end, __shfl_xor_sync(kFullMask, warp_min_end, d));
+  }
+
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  float o[R::kOTiles][4];
+#pragma unroll
+  for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) o[i][k] = 0.f;
+  float s[R::kSTiles][4];
+  uint32_t a[R::kPSteps][4];  // P of the step before, wgmma A fragments
+  const uint64_t k_desc = swizzled_desc(smem, 16, 1024);
+  const uint64_t v_desc = swizzled_desc(smem + R::kSideBytes, R::kBlockBytes, 1024);
+
+  const auto issue_scores = [&](int stage) {
+#pragma unroll
+    for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) s[i][k] = 0.f;
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < R::kKSteps; ++k)
+      wgmma_64x64<0>(acc, qf[k], desc_plus(k_desc, stage * R::kKvBytes + (k / 4) * R::kBlockBytes +
+                                                       (k % 4) * 32));
+    wgmma_commit();
+  };
+  const auto issue_values = [&](int stage) {
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < R::kPSteps; ++k)
+      wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * R::kKvBytes + 16 * k * 128));
+    wgmma_commit();
+  };
+  // The online softmax of step `step`'s scores (landed), as in the ragged kernel: masked steps
+  // scale, mask and subtract; the others take the max of the raw scores and one FFMA each.
+  const auto softmax = [&](int step, float (&alpha)[2]) {
+    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    wgmma_fence_operands(acc);
+    const int32_t step_base = begin + step * R::kKv;
+    const bool masked = step_base + R::kKv > warp_min_end;
+    float top[2] = {m[0], m[1]};
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          float x = s[i][k] * score_scale[k >> 1];
+          if (step_base + 8 * i + 2 * qd + (k & 1) >= limit[k >> 1]) x = -INFINITY;
+          s[i][k] = x;
+          top[k >> 1] = fmaxf(top[k >> 1], x);
+        }
+    } else {
+      float raw_top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) raw_top[k >> 1] = fmaxf(raw_top[k >> 1], s[i][k]);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * score_scale[h]);
+    }
+    float offset[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
+      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
+      offset[h] = top[h] == -INFINITY ? 0.f : top[h];
+      alpha[h] = exp2_approx(m[h] - offset[h]);
+      m[h] = top[h];
+      l[h] *= alpha[h];
+    }
+    if (masked) {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s[i][k] = exp2_approx(s[i][k] - offset[k >> 1]);
+          l[k >> 1] += s[i][k];
+        }
+    } else {
+#pragma unroll
+      for (int i = 0; i < R::kSTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          s[i][k] = exp2_approx(__fmaf_rn(s[i][k], score_scale[k >> 1], -offset[k >> 1]));
+          l[k >> 1] += s[i][k];
+        }
+    }
+    // (the results taken by an empty asm: the softmax is done before the caller's wait)
+    wgmma_fence_operands(acc);
+  };
+  // After the P V of the step before is done: O rescaled to the new max, P packed.
+  const auto rescale_and_pack = [&](const float (&alpha)[2]) {
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o[i][k] *= alpha[k >> 1];
+    }
+#pragma unroll
+    for (int k = 0; k < R::kPSteps; ++k) {
+      a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
+      a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
+      a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
+      a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
+    }
+  };
+
+  // This consumer's own steps: up to the end of its last row (consumer 1's tile ends before
+  // consumer 0's; a consumer without a tile has none). Past them it hands the stages back
+  // unread, so that the positions only consumer 0's rows see never enter consumer 1's P V.
+  const int32_t own_end =
+      rows_here > 0
+          ? min(row_limit(grid.group.div(uint32_t((first_tile - c) * kRows + rows_here - 1))),
+                split_end)
+          : begin;
+  const int my_steps = own_end > begin ? (own_end - begin + R::kKv - 1) / R::kKv : 0;
+  if (my_steps > 0) {
+    float alpha[2];
+    named_sync(full_barrier(0), kPipeThreads);
+    issue_scores(0);
+    wgmma_wait<0>();
+    softmax(0, alpha);
+    rescale_and_pack(alpha);
+    // Then whole rounds of the stages, unrolled: the stage offsets are constants (stage
+    // arithmetic in uniform registers while a product is in flight made ptxas wait for it).
+#pragma unroll 1
+    for (int round = 0; round < my_steps; round += kPipeStages) {
+#pragma unroll
+      for (int j = 1; j <= kPipeStages; ++j) {
+        const int step = round + j;
+        if (step >= my_steps) break;
+        const int stage = j % kPipeStages, before = j - 1;
+        named_sync(full_barrier(stage), kPipeThreads);
+        issue_scores(stage);
+        issue_values(before);
+        wgmma_wait<1>();
+        softmax(step, alpha);
+        wgmma_wait<0>();
+        named_arrive(empty_barrier(before), kPipeThreads);
+        rescale_and_pack(alpha);
+      }
+    }
+    const int last = (my_steps - 1) % kPipeStages;
+    issue_values(last);
+    wgmma_wait<0>();
+    named_arrive(empty_barrier(last), kPipeThreads);
+    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
+    wgmma_fence_operands(acc);
+  }
+  for (int step = my_steps; step < num_steps; ++step) {
+    named_sync(full_barrier(step % kPipeStages), kPipeThreads);
+    named_arrive(empty_barrier(step % kPipeStages), kPipeThreads);
+  }
+
+  // Each thread writes its two rows' dims (8 t + the permuted dim, + 4): the row sums over the
+  // row's 4 lanes first. A row that saw nothing in this split gets the empty result.
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
+    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
+  }
+  const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
+  const int dim = permuted_dim_even(qd);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = my_row0 + 8 * h;
+    if (r >= rows_here) continue;
+    const int64_t row = member_rows + my_q_row[r];
+    const bool empty = m[h] == -INFINITY && !isnan(l[h]);
+    const float lse2 = m[h] + __log2f(l[h]);
+#pragma unroll
+    for (int i = 0; i < R::kOTiles; ++i)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int d = 8 * i + dim + 4 * k;
+        if (empty) {
+          write_empty(p, row, split, d, kHead);
+          continue;
+        }
+        const float value = o[i][2 * h + k] / l[h];
+        if (p.num_splits == 1) {
+          store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
+          if (d == 0) p.lse[row] = lse2 * kLn2;
+        } else {
+          p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
+          if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+        }
+      }
+  }
+#else
+  __trap();  // launched only where the build has sm_90a code (PipelinedPrefillRuns)
+#endif
+}
+
+// Whether the current GPU runs the pipelined prefill kernel: built in (NVFP4_RAGGED_PIPELINED),
+// an sm_90 device, and the build's code for it the sm_90a kernel, whose register hand-over
+// (setmaxnreg) needs exactly the launch's 168 registers a thread: asked once per device (an
+// attribute query, allowed while XLA captures a command buffer).
+template <bool kSwizzle, Layout kLayout>
+bool PipelinedPrefillRuns() {
+  if (!NVFP4_RAGGED_PIPELINED) return false;
+  static std::atomic<uint64_t> asked{0}, runs{0};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
+  const uint64_t bit = uint64_t(1) << device;
+  if (!(asked.load(std::memory_order_acquire) & bit)) {
+    int major = 0, minor = 0;
+    cudaFuncAttributes attributes{};
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+            cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
+            cudaSuccess &&
+        major == 9 && minor == 0 &&
+        cudaFuncGetAttributes(&attributes, PipelinedPrefillKernel<kSwizzle, kLayout>) ==
+            cudaSuccess &&
+        attributes.numRegs * kPipeThreads ==
+            kThreads * (kProducerRegisters + 2 * kConsumerRegisters);
+    if (!ok) cudaGetLastError();  // (a failed query is an answer, not an error of the call)
+    if (ok) runs.fetch_or(bit, std::memory_order_release);
+    asked.fetch_or(bit, std::memory_order_release);
+  }
+  return runs.load(std::memory_order_acquire) & bit;
+}
+
+template <bool kSwizzle, Layout kLayout>
+cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) {
+  // A CTA per pair of tiles: a sequence it takes has more than kPipelinedMinRows rows and at
+  // most rows / (kPipelinedMinRows + 1) pairs, so the rows bound the slots (and with a
+  // max_q_len bound below them, nothing is launched).
+  const int32_t group = p->num_q_heads / int32_t(p->page.num_kv_heads);
+  const int64_t rows = int64_t(p->num_tokens) * group;
+  const int64_t row_bound = p->max_q_len > 0 ? int64_t(p->max_q_len) * group : rows;
+  const int64_t pair_slots = rows / (kPipelinedMinRows + 1);
+  if (p->few_rows_only || row_bound <= kPipelinedMinRows || pair_slots == 0 ||
+      !PipelinedPrefillRuns<kSwizzle, kLayout>())
+    return cudaSuccess;
+  const cudaError_t configured =
+      ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout>>(PipeShape::kSmemBytes);
+  if (configured != cudaSuccess) return configured;
+  p->pipelined = 1;
+  const RaggedGrid grid{0, FastDivmod(uint32_t(p->page.num_kv_heads)),
+                        FastDivmod(uint32_t(group)), FastDivmod(uint32_t(p->page.block_size))};
+  PipelinedPrefillKernel<kSwizzle, kLayout>
+      <<<dim3(uint32_t(pair_slots * p->page.num_kv_heads), 1,
+              uint32_t(p->stacked * p->num_splits)),
+         kPipeThreads, PipeShape::kSmemBytes, stream>>>(*p, grid);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p) {
+  if (p->page.head_size != kPipelinedHead) return cudaSuccess;
+  return WithPageOptions(p->page, [&](auto swizzle, auto layout) {
+    return LaunchPipelinedPrefillKernel<decltype(swizzle)::value, decltype(layout)::value>(
+        stream, p);
+  });
+}
+
+}  // namespace nvfp4

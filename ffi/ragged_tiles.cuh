@@ -1,0 +1,354 @@
+// Device code of the ragged-attention kernels that take query tiles through shared memory: the
+// ragged kernel (ragged_cuda.cu) and the pipelined prefill kernel (ragged_pipelined.cu). The
+// shape of a tile step, the scan that finds a CTA's tile, the copies of page bytes into a ring
+// and their conversion to fp16, and what both kernels set up the same way.
+#pragma once
+
+#include <climits>
+#include <cstdint>
+
+#include "attention_device.cuh"
+#include "cuda_common.cuh"
+#include "ragged_device.cuh"
+#include "ragged_ffi.h"
+#include "wgmma.cuh"
+
+namespace nvfp4 {
+namespace {
+
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kRows = 16 * kWarps;  // query rows per CTA (jax_nvfp4/ragged_primitive.py)
+constexpr uint32_t kFullMask = 0xFFFFFFFFu;
+
+template <int kHead>
+struct RaggedShape {
+  static constexpr int kKv = kHead >= 256 ? 32 : 64;  // positions converted per step
+  static constexpr int kStride = kHead + 8;            // halves per shared q row (+16 B: no
+                                                       // bank conflicts for ldmatrix)
+  static constexpr int kKSteps = kHead / 16;           // MMA k-steps of S
+  static constexpr int kSTiles = kKv / 8;              // n-tiles of S
+  static constexpr int kOTiles = kHead / 8;            // n-tiles of O
+  static constexpr int kPSteps = kKv / 16;             // k-steps of P V
+  static constexpr int kScales = kHead / 16;           // E4M3 scales per (head, position)
+  // Conversion: 2 * kKv (position, side) head vectors per step over 128 threads.
+  static constexpr int kThreadsPerVector = kThreads / (2 * kKv);
+  static constexpr int kThreadDims = kHead / kThreadsPerVector;
+  static constexpr int kCodeBytes = kThreadDims / 2;
+  static constexpr int kCodeWords = kCodeBytes / 4;
+  static constexpr int kScaleBytes = kThreadDims / 16;  // 4 or 8
+  // q's fragments in registers for the whole CTA (head size 256: from shared memory each step,
+  // the O accumulators need the registers).
+  static constexpr bool kQInRegisters = kHead <= 128;
+  // Tiles of more than 32 rows multiply on wgmma where it exists (sm_90a), with q from
+  // registers; the others (and head size 256) on mma.sync.
+  static constexpr bool kWgmma = kHasWgmma && kQInRegisters;
+  // The raw page bytes of a step are copied (cp.async) into a ring of kStages stages, kStages - 1
+  // steps ahead of their conversion: what is in flight per CTA, ~3 x 9 KB, hides the memory
+  // latency where a step's tensor-core work is short (few query rows). A staged code row is
+  // padded by 16 bytes (conflict-free 16-byte accesses).
+  static constexpr int kStages = 4;
+  static constexpr int kRawStride = kHead / 2 + 16;
+  static constexpr int kRawCodeBytes = 2 * kKv * kRawStride;
+  static constexpr int kRawStageBytes = kRawCodeBytes + 2 * kKv * kScales;
+  // The fp16 K and V of a step, each [kHead / 64 blocks][kKv positions][64 dims] with 128-byte
+  // rows and the 128-byte swizzle (16-byte chunk c of position p at chunk c ^ (p % 8)): the
+  // layout wgmma reads through a descriptor, K-major for K in S = Q K^T and MN-major for V in
+  // O = P V (checked on an H200 by a probe, benchmarks/NOTES.md), and conflict-free for
+  // ldmatrix and the conversion's 16-byte stores.
+  static constexpr int kBlockBytes = kKv * 128;          // one 64-dim block of one side
+  static constexpr int kSideBytes = kHead / 64 * kBlockBytes;
+  static constexpr int kKvBytes = 2 * kSideBytes;
+  // Shared memory: the K/V buffer first (1024-byte aligned for the swizzle), q, the raw ring,
+  // per-row data. The warps' final states reuse the K/V buffer, q and the ring.
+  static constexpr int kQBytes = kRows * kStride * 2;
+  static constexpr int kRingBytes = kStages * kRawStageBytes;
+  static constexpr int kMergeFloats = kWarps * 16 * (kHead + 2);
+  static constexpr int kRowBytes = kRows * 3 * 4;
+  static constexpr int kSmemBytes = kKvBytes + kQBytes + kRingBytes + kRowBytes;
+  static_assert(kMergeFloats * 4 <= kKvBytes + kQBytes + kRingBytes,
+                "the merge reuses the K/V buffer, q and the ring");
+  static_assert(kHead % 64 == 0 && kKvBytes % 1024 == 0, "whole 128-byte swizzle atoms");
+  static_assert(kScaleBytes == 4 || kScaleBytes == 8, "scale copies of 4 or 8 bytes");
+  static_assert(kRawStageBytes % 16 == 0 && kQBytes % 16 == 0 && kKvBytes % 16 == 0,
+                "16-byte aligned regions");
+};
+
+// Byte offset, in one side of the K/V buffer, of the 16 bytes holding dims [8 c, 8 c + 8) of
+// position p (RaggedShape: 64-dim blocks of 128-byte rows, 128-byte swizzle).
+template <int kHead>
+__device__ __forceinline__ int kv_chunk(int p, int c) {
+  return (c >> 3) * RaggedShape<kHead>::kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
+}
+
+// ------------------------------------------------------------------------------------------
+// The tile a CTA works on.
+
+struct TileWork {
+  int32_t seq;    // sequence b
+  int32_t start;  // its first query token
+  int32_t q_len;  // its query tokens
+  int32_t tile;   // which of its tiles (rows tile * kRows ..)
+};
+
+// The `slot`-th unit of work of the batch (every lane of the warp gets it), where a sequence of
+// q_len query tokens has units_of(q_len) units, numbered from its last one (w->tile: the unit's
+// index in its sequence, counted from the first) so that the longest tiles start first.
+// Sequence b owns the tokens [start_b, start_{b+1}), start_b = clamp(max(cu_q_lens[0..b]), 0,
+// T), b < ns. Returns false for a slot past the last unit.
+template <typename UnitsOf>
+__device__ __forceinline__ bool find_unit(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                          int32_t slot, int lane, const UnitsOf& units_of,
+                                          TileWork* w) {
+  int32_t running = INT_MIN;  // max of cu[0 .. base - 1]
+  int32_t before = 0;         // units of the sequences before base
+  for (int32_t base = 0; base < ns; base += 32) {
+    const int32_t b = base + lane;
+    const bool live = b < ns;
+    const int32_t c0 = live ? __ldg(cu + b) : INT_MIN;
+    const int32_t c1 = live ? __ldg(cu + b + 1) : INT_MIN;
+    int32_t m = c0;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t other = __shfl_up_sync(kFullMask, m, d);
+      if (lane >= d) m = max(m, other);
+    }
+    m = max(m, running);
+    const int32_t s0 = min(max(m, 0), num_tokens);
+    const int32_t s1 = min(max(max(m, c1), 0), num_tokens);
+    const int32_t q_len = live ? s1 - s0 : 0;
+    const int32_t units = live ? units_of(q_len) : 0;
+    int32_t incl = units;
+#pragma unroll
+    for (int d = 1; d < 32; d *= 2) {
+      const int32_t other = __shfl_up_sync(kFullMask, incl, d);
+      if (lane >= d) incl += other;
+    }
+    const int32_t lo = before + incl - units, hi = before + incl;
+    const uint32_t hit = __ballot_sync(kFullMask, live && slot >= lo && slot < hi);
+    if (hit) {
+      const int src = __ffs(hit) - 1;
+      w->seq = __shfl_sync(kFullMask, b, src);
+      w->start = __shfl_sync(kFullMask, s0, src);
+      w->q_len = __shfl_sync(kFullMask, q_len, src);
+      const int32_t local = slot - __shfl_sync(kFullMask, lo, src);
+      w->tile = __shfl_sync(kFullMask, units, src) - 1 - local;
+      return true;
+    }
+    running = __shfl_sync(kFullMask, m, 31);
+    before = __shfl_sync(kFullMask, hi, 31);
+  }
+  return false;
+}
+
+// The query tiles of a sequence: its q_len x group rows in tiles of kRows.
+__host__ __device__ __forceinline__ int32_t tiles_of(int32_t q_len, int32_t group) {
+  return (q_len * group + kRows - 1) / kRows;
+}
+
+// The `slot`-th query tile of the batch (find_unit: a unit is a tile).
+__device__ __forceinline__ bool find_tile(const int32_t* cu, int32_t ns, int32_t num_tokens,
+                                          int32_t group, int32_t slot, int lane, TileWork* w) {
+  return find_unit(cu, ns, num_tokens, slot, lane,
+                   [group](int32_t q_len) { return tiles_of(q_len, group); }, w);
+}
+
+// ------------------------------------------------------------------------------------------
+// One thread's (position, side, part) of a step: copied from the pages into a ring stage, then
+// converted to fp16 into the K/V buffer.
+
+// Where a thread's bytes go in a ring stage: its codes, and the scale bytes of its position's
+// plane row (for swizzled V scales these are not its own scales: the 4 positions of a row
+// group hold the group's scales between them, docs/format.md §4).
+template <int kHead>
+struct StageSlot {
+  int code_offset;   // in the stage
+  int scale_offset;  // in the stage: this (side, position)'s staged plane row of scales
+  int scale_part;    // byte of that row this thread copies
+};
+
+template <int kHead>
+__device__ __forceinline__ StageSlot<kHead> stage_slot(int side, int position, int part) {
+  using R = RaggedShape<kHead>;
+  const int vector = side * R::kKv + position;
+  return {vector * R::kRawStride + part * R::kCodeBytes,
+          R::kRawCodeBytes + vector * R::kScales, part * R::kScaleBytes};
+}
+
+// Copies this thread's bytes of position `pos` into `stage`: codes when pos < end, scales when
+// the position's row group starts before end (swizzled V: the group's 4 plane rows hold the
+// scales of all 4 positions; rows past end inside the group are read but never used).
+template <int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void copy_vector(uint8_t* stage, const StageSlot<kHead>& slot,
+                                            const PageView<kLayout>& pv, int32_t page,
+                                            uint32_t pos, uint32_t end, uint32_t row, int side,
+                                            int part) {
+  using R = RaggedShape<kHead>;
+  const bool code_valid = pos < end;
+  const bool scale_valid = (kSwizzle && side == 1) ? (pos & ~3u) < end : code_valid;
+  const uint8_t* side_bytes = pv.cache + pv.page_offset(page) + side * pv.side_bytes;
+  const int32_t plane = pv.plane_row(row);
+  const uint8_t* codes = code_valid ? side_bytes + plane * (kHead / 2) + part * R::kCodeBytes
+                                    : pv.cache;
+  const uint8_t* scales = scale_valid
+      ? side_bytes + pv.side_data + plane * R::kScales + slot.scale_part : pv.cache;
+#pragma unroll
+  for (int i = 0; i < R::kCodeBytes / 16; ++i)
+    copy_async<16>(stage + slot.code_offset + 16 * i, codes + 16 * i, code_valid);
+  copy_async<R::kScaleBytes>(stage + slot.scale_offset + slot.scale_part, scales, scale_valid);
+}
+
+// The staged codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8
+// dims per 16-byte store; a position past end is zeros (its staged scale may be a junk row's).
+template <int kHead, bool kSwizzle>
+__device__ __forceinline__ void convert_vector(const uint8_t* stage,
+                                               const StageSlot<kHead>& slot, int side,
+                                               int position, int part, bool valid,
+                                               uint8_t* side_buffer) {
+  using R = RaggedShape<kHead>;
+  const int chunk0 = part * R::kThreadDims / 8;
+  const auto dst = [&](int w) {
+    return reinterpret_cast<uint4*>(side_buffer + kv_chunk<kHead>(position, chunk0 + w));
+  };
+  if (!valid) {
+#pragma unroll
+    for (int w = 0; w < R::kCodeWords; ++w) *dst(w) = make_uint4(0, 0, 0, 0);
+    return;
+  }
+  uint32_t scales[R::kScaleBytes / 4];
+  if (kSwizzle && side == 1) {
+    // Block s of position r: plane row 4 (r / 4) + s / G, column 4 (s % G) + r % 4.
+    constexpr int kGroup = R::kScales / 4;
+    const uint8_t* group_rows = stage + slot.scale_offset - (position & 3) * R::kScales;
+#pragma unroll
+    for (int w = 0; w < R::kScaleBytes / 4; ++w) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s = part * R::kScaleBytes + 4 * w + i;
+        word |= uint32_t(group_rows[(s / kGroup) * R::kScales + 4 * (s % kGroup) +
+                                    (position & 3)]) << (8 * i);
+      }
+      scales[w] = word;
+    }
+  } else {
+    const uint8_t* own = stage + slot.scale_offset + slot.scale_part;
+    if constexpr (R::kScaleBytes == 8) {
+      const uint2 v = *reinterpret_cast<const uint2*>(own);
+      scales[0] = v.x, scales[1] = v.y;
+    } else {
+      scales[0] = *reinterpret_cast<const uint32_t*>(own);
+    }
+  }
+  uint32_t codes[R::kCodeWords];
+#pragma unroll
+  for (int i = 0; i < R::kCodeWords / 4; ++i) {
+    const uint4 v = *reinterpret_cast<const uint4*>(stage + slot.code_offset + 16 * i);
+    codes[4 * i] = v.x, codes[4 * i + 1] = v.y, codes[4 * i + 2] = v.z, codes[4 * i + 3] = v.w;
+  }
+#pragma unroll
+  for (int pair = 0; pair < R::kScaleBytes / 2; ++pair) {
+    const uint32_t scale2 = e4m3x2_to_f16x2_x128(scales[pair / 2] >> (16 * (pair % 2)));
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // block 2 pair + half: code words 4 pair + 2 half, +1
+      const uint32_t scale = prmt(scale2, scale2, half ? 0x3232 : 0x1010);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int w = 4 * pair + 2 * half + k;
+        uint32_t r[4];
+        e2m1x8_to_f16x2(codes[w], r);
+        *dst(w) = make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
+                             hmul2(r[3], scale));
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// What both tile kernels set up the same way.
+
+// The pages of sequence `seq` of `member` for kv head `kv_head`, as the tile kernels read them.
+template <Layout kLayout>
+__device__ __forceinline__ PageView<kLayout> tile_page_view(const RaggedProblem& p,
+                                                            const RaggedGrid& grid, int32_t member,
+                                                            int32_t seq, int32_t kv_head) {
+  PageView<kLayout> pv;
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables +
+             ((p.tables_stacked ? int64_t(member) * p.max_num_seqs : 0) + seq) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  pv.head_row = kLayout == Layout::kHND ? kv_head * int32_t(grid.block_size.divisor) : kv_head;
+  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.tile_in_page = false;
+  return pv;
+}
+
+// Half `half` of the dims of query row `q_row` (-1: a padding row, zeros) into `dst` in shared
+// memory, by the two threads of the row (adjacent lanes, half 0 and 1): fp16 after the row's
+// power-of-two scale, head dims permuted like the converted K, and the sign of the score scale
+// qk_scale (k_scale x sm_scale) moved in (exact in fp16), so that each row's scale is >= 0 (or
+// NaN) and the loops' unmasked steps can take the max of the unscaled scores. Two passes over
+// the half (the second from L1): its amax, then the values. Returns the row's exponent.
+template <int kHead>
+__device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_row, int half,
+                                            float qk_scale, uint16_t* dst) {
+  constexpr int kDims = kHead / 2;
+  const bool valid = q_row >= 0;
+  const int64_t q_at = (valid ? q_row : 0) * kHead + half * kDims;
+  float amax = 0.f;
+  if (valid) {
+#pragma unroll 4
+    for (int i = 0; i < kDims; i += 8) {
+      float v[8];
+      load_q8(p.q, p.q_type, q_at + i, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+    }
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
+  const int exponent = q_exponent(amax);
+  PowerOfTwo times(exponent);
+  if (qk_scale < 0.f) times.lo = -times.lo;
+#pragma unroll 4
+  for (int i = 0; i < kDims; i += 8) {
+    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    if (valid) load_q8(p.q, p.q_type, q_at + i, v);
+    *reinterpret_cast<uint4*>(dst + i) = make_uint4(
+        pack_f16x2(times(v[0]), times(v[4])), pack_f16x2(times(v[2]), times(v[6])),
+        pack_f16x2(times(v[1]), times(v[5])), pack_f16x2(times(v[3]), times(v[7])));
+  }
+  return exponent;
+}
+
+// The row scale of the scores (log2 units) for a row of exponent `exponent`.
+__device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
+  return ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
+}
+
+// ------------------------------------------------------------------------------------------
+// The pipelined prefill kernel (ragged_pipelined.cu): the sequences it takes, which the ragged
+// kernel skips when it runs.
+
+#ifndef NVFP4_RAGGED_PIPELINED
+#define NVFP4_RAGGED_PIPELINED 0
+#endif
+
+constexpr int kPipelinedHead = 128;
+constexpr int32_t kPipelinedMinRows = 32;  // more rows than this: the tiles are wgmma tiles
+// Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs).
+// (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
+// the launch also checks, PipelinedPrefillRuns.)
+__device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
+                                                int32_t group) {
+  return kHasWgmma && p.pipelined && q_len * group > kPipelinedMinRows &&
+         !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
+}
+
+}  // namespace
+}  // namespace nvfp4
