@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
   // The cluster merge's partial results (unused otherwise): this split's, or with the push
   // merge every split's of the elements this CTA merges (kMaxClusterSplits more for the
   // rounding up of rows x kHead / splits).
-  __shared__ float split_out[kHeadsPerCta * kHead + kMaxClusterSplits];
+  __shared__ float split_out[kHeadsPerCta * kHead + (kPushMerge ? kMaxClusterSplits : 0)];
   __shared__ float split_lse[kPushMerge ? kMaxClusterSplits * kHeadsPerCta : kHeadsPerCta];
   const float out_scale = v_scale * 128.f;
   const PushedMerge pushed{p.num_splits, (heads_here * kHead + p.num_splits - 1) / p.num_splits};
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     cluster_wait_acquire();
     merge_pushed_splits<kHead>(p, pushed, split_out, split_lse, heads_here, first_q_row,
                                out_scale);
-  } else if (p.cluster_merge) {
+  } else if (!kPushMerge && p.cluster_merge) {
     merge_cluster_splits<kHead>(p, split_out, split_lse, heads_here, first_q_row, out_scale);
   }
 }
