@@ -450,13 +450,15 @@ bool PipelinedPrefillRuns() {
 
 template <bool kSwizzle, Layout kLayout>
 cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) {
-  // A CTA per pair of tiles: a sequence it takes has more than kPipelinedMinRows rows and at
-  // most rows / (kPipelinedMinRows + 1) pairs, so the rows bound the slots (and with a
-  // max_q_len bound below them, nothing is launched).
+  // A CTA per pair of tiles (slots past the last pair exit after the scan). A sequence it takes
+  // has r > kPipelinedMinRows rows and ceil(r / 128) <= r / 128 + 1 pairs, so with R rows in
+  // all and at most min(S, R / (kPipelinedMinRows + 1)) such sequences, R / 128 plus that count
+  // bounds the pairs (and with a max_q_len bound below them, nothing is launched).
   const int32_t group = p->num_q_heads / int32_t(p->page.num_kv_heads);
   const int64_t rows = int64_t(p->num_tokens) * group;
   const int64_t row_bound = p->max_q_len > 0 ? int64_t(p->max_q_len) * group : rows;
-  const int64_t pair_slots = rows / (kPipelinedMinRows + 1);
+  const int64_t long_seqs = std::min<int64_t>(p->max_num_seqs, rows / (kPipelinedMinRows + 1));
+  const int64_t pair_slots = long_seqs == 0 ? 0 : rows / (2 * kRows) + long_seqs;
   if (p->few_rows_only || row_bound <= kPipelinedMinRows || pair_slots == 0 ||
       !PipelinedPrefillRuns<kSwizzle, kLayout>())
     return cudaSuccess;
