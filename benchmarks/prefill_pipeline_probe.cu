@@ -214,31 +214,10 @@ struct Consumer {
   }
 };
 
-__device__ __forceinline__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-// Hands registers between warpgroups (sm_90a): the producer needs few, a pipelined consumer
-// more than the 168 a thread that 384 threads get at launch (128 x 56 + 256 x 224 <= 64 K; at 24 registers the producer spilled 102 times a step).
-template <int N>
-__device__ __forceinline__ void registers_down() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void registers_up() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
+// The register split of D and E (setmaxnreg): the producer needs few, a pipelined consumer more
+// than the 168 a thread that 384 threads get at launch (128 x 56 + 256 x 224 <= 64 K; at 24
+// registers the producer spilled 102 times a step).
 constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
-
-// Keeps A-fragment registers in place until here (an asynchronous wgmma reads them after its
-// issue; the compiler would otherwise reuse them).
-template <int N>
-__device__ __forceinline__ void fence_registers(uint32_t (&r)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) asm volatile("" : "+r"(r[i][c])::"memory");
-}
 
 // A consumer with FlashAttention-3's intra-warpgroup overlap (D, E): the scores of step n and
 // the P V of step n - 1 in flight together; the softmax of step n between their waits.
@@ -246,7 +225,6 @@ struct PipelinedConsumer {
   Consumer c;                    // q, the softmax state, O
   float s[kKv / 8][4];           // the scores of the step in flight
   uint32_t a[kKv / 16][4];       // P of the step before (wgmma A fragments)
-  uint32_t kept = 0;             // a real use of the old P after the wait (see rescale_and_pack)
 
   // (descriptors from bases built once, stage offsets compile-time: the loop below is unrolled
   // over the stages so that no stage arithmetic lands in uniform registers while a product is
@@ -307,12 +285,6 @@ struct PipelinedConsumer {
   __device__ __forceinline__ void rescale_and_pack(const float (&alpha)[2]) {
     float(&oacc)[kHead / 2] = reinterpret_cast<float(&)[kHead / 2]>(c.o);
     wgmma_fence_operands(oacc);
-    fence_registers(a);
-    // The old P is read by an instruction here, after the wait: without it ptxas sees its
-    // registers free once the P V is issued, puts the softmax's results in them and so waits
-    // for the P V before the softmax (measured on the SASS: the wait moved to its start).
-#pragma unroll
-    for (int k = 0; k < kKv / 16; ++k) kept ^= a[k][0] ^ a[k][1] ^ a[k][2] ^ a[k][3];
     if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
       for (int t = 0; t < kHead / 8; ++t)
@@ -350,17 +322,42 @@ __global__ void __launch_bounds__(kWarpgroup, 2)
     if (s + 1 < steps) next = load_raw(codes, scales, record_of(blockIdx.x, s + 1, t));
     __syncthreads();  // the stage's previous step has been read
     convert<kConvert>(raw, position, smem + side * kSideBytes);
-    fence_async_shared();
+    fence_proxy_async_shared();
     __syncthreads();  // the stage is complete
     c.step(smem, 0.0625f);
   }
   c.finish(out + blockIdx.x);
 }
 
+// Named barriers of B to E (0 is __syncthreads): stage i full (the producer arrives, the
+// stage's consumers sync) and empty (the consumers arrive, the producer syncs before it writes
+// the stage again).
+__device__ __forceinline__ int full_barrier(int stage) { return 1 + stage; }
+template <int kStages>
+__device__ __forceinline__ int empty_barrier(int stage) { return 1 + kStages + stage; }
+
+// The producer of B, C, D and E (warpgroup 0, thread t): each step's raw records loaded a step
+// ahead into registers, converted into stage s % kStages once its consumers have handed it
+// back (empty), then handed over (full); `users` threads take part in each barrier.
+template <bool kConvert, int kStages>
+__device__ __forceinline__ void produce(const uint8_t* codes, const uint8_t* scales, int steps,
+                                        int t, uint8_t* smem, int users) {
+  const int side = t / kKv, position = t % kKv;
+  Raw next = load_raw(codes, scales, record_of(blockIdx.x, 0, t));
+  for (int s = 0; s < steps; ++s) {
+    const int stage = s % kStages;
+    const Raw raw = next;
+    if (s + 1 < steps) next = load_raw(codes, scales, record_of(blockIdx.x, s + 1, t));
+    if (s >= kStages) named_sync(empty_barrier<kStages>(stage), users);
+    convert<kConvert>(raw, position, smem + stage * kStageBytes + side * kSideBytes);
+    fence_proxy_async_shared();
+    named_arrive(full_barrier(stage), users);
+  }
+}
+
 // B (kShared false) and C (kShared true): warpgroup 0 converts into kStages stages; warpgroups
-// 1 and 2 consume (B: alternate steps of one tile; C: every step, a tile each). Named barriers:
-// full(i) = 1 + i (the producer arrives, the stage's consumers sync), empty(i) = 1 + kStages + i
-// (the consumers arrive, the producer syncs before it writes the stage again).
+// 1 and 2 consume (B: alternate steps of one tile; C: every step, a tile each); named barriers
+// as in full_barrier and empty_barrier.
 template <bool kConvert, bool kShared, int kStages>
 __global__ void __launch_bounds__(3 * kWarpgroup, 1)
     ProbeSpecialised(const uint8_t* codes, const uint8_t* scales, int steps, float* out) {
@@ -368,22 +365,9 @@ __global__ void __launch_bounds__(3 * kWarpgroup, 1)
   static_assert(kShared || kStages % 2 == 0, "B: each stage is consumed by one warpgroup");
   constexpr int kUsers = kWarpgroup * (kShared ? 3 : 2);  // threads at each stage's barriers
   const int wg = threadIdx.x / kWarpgroup, t = threadIdx.x % kWarpgroup;
-  const auto full = [](int stage) { return 1 + stage; };
-  const auto empty = [](int stage) { return 1 + kStages + stage; };
-  if (wg == 0) {
-    const int side = t / kKv, position = t % kKv;
-    Raw next = load_raw(codes, scales, record_of(blockIdx.x, 0, t));
-    for (int s = 0; s < steps; ++s) {
-      const int stage = s % kStages;
-      const Raw raw = next;
-      if (s + 1 < steps) next = load_raw(codes, scales, record_of(blockIdx.x, s + 1, t));
-      if (s >= kStages) named_sync(empty(stage), kUsers);
-      convert<kConvert>(raw, position, smem + stage * kStageBytes + side * kSideBytes);
-      fence_async_shared();
-      named_arrive(full(stage), kUsers);
-    }
-    return;
-  }
+  const auto full = full_barrier;
+  const auto empty = empty_barrier<kStages>;
+  if (wg == 0) return produce<kConvert, kStages>(codes, scales, steps, t, smem, kUsers);
   const int consumer = wg - 1;
   Consumer c;
   c.init(blockIdx.x * 2 + consumer);
@@ -405,25 +389,14 @@ __global__ void __launch_bounds__(3 * kWarpgroup, 1)
   static_assert(2 * kStages + 2 <= 16, "named barriers");
   constexpr int kUsers = 3 * kWarpgroup;
   const int wg = threadIdx.x / kWarpgroup, t = threadIdx.x % kWarpgroup;
-  const auto full = [](int stage) { return 1 + stage; };
-  const auto empty = [](int stage) { return 1 + kStages + stage; };
+  const auto full = full_barrier;
+  const auto empty = empty_barrier<kStages>;
   const auto turn = [](int consumer) { return 1 + 2 * kStages + consumer; };
   if (wg == 0) {
-    registers_down<kProducerRegisters>();
-    const int side = t / kKv, position = t % kKv;
-    Raw next = load_raw(codes, scales, record_of(blockIdx.x, 0, t));
-    for (int s = 0; s < steps; ++s) {
-      const int stage = s % kStages;
-      const Raw raw = next;
-      if (s + 1 < steps) next = load_raw(codes, scales, record_of(blockIdx.x, s + 1, t));
-      if (s >= kStages) named_sync(empty(stage), kUsers);
-      convert<true>(raw, position, smem + stage * kStageBytes + side * kSideBytes);
-      fence_async_shared();
-      named_arrive(full(stage), kUsers);
-    }
-    return;
+    setmaxnreg_dec<kProducerRegisters>();
+    return produce<true, kStages>(codes, scales, steps, t, smem, kUsers);
   }
-  registers_up<kConsumerRegisters>();
+  setmaxnreg_inc<kConsumerRegisters>();
   const int consumer = wg - 1;
   PipelinedConsumer pc;
   pc.c.init(blockIdx.x * 2 + consumer);
@@ -467,7 +440,6 @@ __global__ void __launch_bounds__(3 * kWarpgroup, 1)
   if (kPingPong && consumer == 0) named_sync(turn(0), 2 * kWarpgroup);
   float(&oacc)[kHead / 2] = reinterpret_cast<float(&)[kHead / 2]>(pc.c.o);
   wgmma_fence_operands(oacc);
-  pc.c.l[0] += pc.kept == 0x9E3779B9u ? 1.f : 0.f;  // (keeps `kept`: nothing is dead code)
   pc.c.finish(out + blockIdx.x);
 }
 

@@ -58,7 +58,7 @@ __global__ void probe(const __half* q, const __half* k, const __half* p, const _
     *reinterpret_cast<__half*>(ks + (c / 64) * kBlockBytes + swizzle128_offset(r, c % 64)) = k[i];
     *reinterpret_cast<__half*>(vs + (c / 64) * kBlockBytes + swizzle128_offset(r, c % 64)) = v[i];
   }
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  fence_proxy_async_shared();
   __syncthreads();
 
   float s[32] = {};
