@@ -102,18 +102,9 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
   const int32_t rows_seq = work.q_len * group;
   const int32_t row0 = work.tile * kRows;
   const int rows_here = min(kRows, rows_seq - row0);
-  const int32_t block_size = int32_t(grid.block_size.divisor);
-  const int32_t capacity = p.max_blocks * block_size;
-  const int32_t kv_len =
-      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq), 0);
-  const auto row_limit = [&](int32_t j) {  // positions query j attends to
-    return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
-  };
-  // (int64: the FFI checks that every split starts inside the table, so begin fits int32)
-  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
-  const int32_t split_end =
-      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
-  const int32_t last_end = min(row_limit(grid.group.div(uint32_t(row0 + rows_here - 1))), split_end);
+  const SplitRange range = split_range(p, grid, member, work.seq, work.q_len, split);
+  const int32_t begin = range.begin, split_end = range.split_end;
+  const int32_t last_end = range.row_end(grid, row0 + rows_here - 1);
   const auto q_row_of = [&](int r) {  // the row's index among the member's [T, Hq] rows
     uint32_t head;
     const uint32_t j = grid.group.divmod(uint32_t(row0 + r), &head);
@@ -153,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     const int exponent =
         stage_q_half<kHead>(p, q_row, half, qk_scale, q_smem + r * R::kStride + half * (kHead / 2));
     if (half == 0) {
-      row_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(row0 + r))), split_end) : 0;
+      row_end[r] = valid ? range.row_end(grid, row0 + r) : 0;
       row_scale[r] = row_score_scale(qk_scale, exponent);
       row_q[r] = valid ? int32_t(q_row - member_rows) : -1;
     }
@@ -208,18 +199,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     for (int k = 0; k < R::kKSteps; ++k)
       ldmatrix_x4(qf[k], q_smem + (mt * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
   }
-  const int my_row0 = mt * 16 + g;
-  const int32_t limit[2] = {has_rows ? row_end[my_row0] : 0, has_rows ? row_end[my_row0 + 8] : 0};
-  const float score_scale[2] = {row_scale[my_row0], row_scale[my_row0 + 8]};
-  // The smallest end among this warp's rows: steps below it need no mask.
-  int32_t warp_min_end = INT_MAX;
-  if (has_rows) {
-    const int r = mt * 16 + (lane & 15);
-    warp_min_end = r < rows_here ? row_end[r] : INT_MAX;
-#pragma unroll
-    for (int d = 8; d > 0; d /= 2)
-      warp_min_end = min(warp_min_end, __shfl_xor_sync(kFullMask, warp_min_end, d));
-  }
+  const WarpRows rows = warp_rows(row_end, row_scale, mt * 16, rows_here, has_rows, lane);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[R::kOTiles][4];
@@ -250,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     copy_async_commit();
     if constexpr (R::kWgmma) {
       // The converted K/V are read by the tensor cores (the async proxy) next.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      fence_proxy_async_shared();
     }
     __syncthreads();  // the K/V buffer is complete
     // A tile of 64 rows on wgmma: the whole warpgroup, every warp (also one without rows).
@@ -301,86 +281,16 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
       }
     }
 
-    // Online softmax (rows g and g + 8 of the m-tile; a row's 4 lanes share its max), in two
-    // forms. A step that reaches past the end of one of the warp's rows scales each score,
-    // masks it and exponentiates the difference to the max. Every other step (all but the last
-    // few of a long tile) needs no mask: the row scale is >= 0 (its sign is in q), so the max of
-    // the scaled scores is the scaled max of the raw ones, and each score's exponent is one
-    // fused multiply-add, s * scale - max. (Both forms keep the max in scaled units.)
-    const bool masked = step_base + kv0 + part_len > warp_min_end;
-    float top[2] = {m[0], m[1]};
-    if (masked) {
-#pragma unroll
-      for (int t = 0; t < R::kSTiles; ++t) {
-        if (t * 8 >= part_len) break;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          float x = s[t][c] * score_scale[c >> 1];
-          if (step_base + kv0 + 8 * t + 2 * qd + (c & 1) >= limit[c >> 1]) x = -INFINITY;
-          s[t][c] = x;
-          top[c >> 1] = fmaxf(top[c >> 1], x);
-        }
-      }
-    } else {
-      float raw_top[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int t = 0; t < R::kSTiles; ++t) {
-        if (t * 8 >= part_len) break;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) raw_top[c >> 1] = fmaxf(raw_top[c >> 1], s[t][c]);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * score_scale[h]);
-    }
-    float alpha[2], offset[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
-      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
-      offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
-      alpha[h] = exp2_approx(m[h] - offset[h]);
-      m[h] = top[h];
-      l[h] *= alpha[h];
-    }
-    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int t = 0; t < R::kOTiles; ++t)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) o[t][c] *= alpha[c >> 1];
-    }
-    if (masked) {
-#pragma unroll
-      for (int t = 0; t < R::kSTiles; ++t) {
-        if (t * 8 >= part_len) break;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
-          l[c >> 1] += s[t][c];
-        }
-      }
-    } else {
-#pragma unroll
-      for (int t = 0; t < R::kSTiles; ++t) {
-        if (t * 8 >= part_len) break;
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          s[t][c] = exp2_approx(__fmaf_rn(s[t][c], score_scale[c >> 1], -offset[c >> 1]));
-          l[c >> 1] += s[t][c];
-        }
-      }
-    }
+    // Online softmax (online_softmax), O rescaled at once.
+    float alpha[2];
+    online_softmax(s, step_base + kv0, part_len, rows, qd, m, l, alpha);
+    rescale_o(o, alpha);
 
     // O += P V: P from the S accumulators (the A fragment of 16 positions is two n-tiles).
     if (wgmma_tile) {
       if constexpr (R::kWgmma) {
         uint32_t a[R::kPSteps][4];
-#pragma unroll
-        for (int k = 0; k < R::kPSteps; ++k) {
-          a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
-          a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
-          a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
-          a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
-        }
+        pack_p(s, a);
         float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
         wgmma_fence_operands(acc);
         wgmma_fence();
@@ -469,13 +379,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
       acc += weight * o_smem[(w * 16 + rr) * kHead + d];
     }
     const float value = acc / sum, lse2 = top + __log2f(sum);
-    if (p.num_splits == 1) {
-      store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
-      if (d == 0) p.lse[row] = lse2 * kLn2;
-    } else {
-      p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
-      if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
-    }
+    write_result(p, row, split, d, kHead, value, lse2, v_scale * 128.f);
   }
 }
 

@@ -70,6 +70,21 @@ __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row,
   }
 }
 
+// Writes a query row's result in this split, dim d: its value (normalised by its own sum) and
+// log2 lse, times out_scale into out with one split, or as a partial result (the merge kernel
+// scales it).
+__device__ __forceinline__ void write_result(const RaggedProblem& p, int64_t row, int split, int d,
+                                             int head_size, float value, float lse2,
+                                             float out_scale) {
+  if (p.num_splits == 1) {
+    store_out(p.out, p.q_type, row * head_size + d, value * out_scale);
+    if (d == 0) p.lse[row] = lse2 * kLn2;
+  } else {
+    p.partial_out[(row * p.num_splits + split) * head_size + d] = value;
+    if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+  }
+}
+
 // Writes NaN for a query row of a sequence that breaks max_q_len (its result, or with split-KV
 // a NaN partial lse, which the merge turns into a NaN row).
 __device__ __forceinline__ void write_nan(const RaggedProblem& p, int64_t row, int split, int d,
@@ -80,6 +95,34 @@ __device__ __forceinline__ void write_nan(const RaggedProblem& p, int64_t row, i
   } else if (d == 0) {
     p.partial_lse[row * p.num_splits + split] = NAN;
   }
+}
+
+// A sequence's positions in one split of a ragged call (every kernel's): what query token j sees
+// (causal, up to its own position, inside the block table) and the split's share of the table.
+struct SplitRange {
+  int32_t kv_len, q_len, capacity, begin, split_end;
+  __device__ __forceinline__ int32_t row_limit(int32_t j) const {
+    return min(max(kv_len - (q_len - 1 - j), 0), capacity);
+  }
+  // The end of sequence row `row`'s positions (its query token row / group) in this split.
+  __device__ __forceinline__ int32_t row_end(const RaggedGrid& grid, int32_t row) const {
+    return min(row_limit(int32_t(grid.group.div(uint32_t(row)))), split_end);
+  }
+};
+
+__device__ __forceinline__ SplitRange split_range(const RaggedProblem& p, const RaggedGrid& grid,
+                                                  int32_t member, int32_t seq, int32_t q_len,
+                                                  int32_t split) {
+  SplitRange r;
+  r.kv_len = max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * p.max_num_seqs : 0) + seq),
+                 0);
+  r.q_len = q_len;
+  r.capacity = p.max_blocks * int32_t(grid.block_size.divisor);
+  // (int64: the FFI checks that every split starts inside the table, so begin fits int32)
+  r.begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(r.capacity)));
+  r.split_end =
+      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(r.capacity)));
+  return r;
 }
 
 // [start_0, start_ns): the tokens some sequence owns (every lane gets them).

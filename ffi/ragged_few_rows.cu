@@ -59,17 +59,9 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   const int rows = q_len * group;
 
   const int32_t block_size = int32_t(grid.block_size.divisor);
-  const int32_t capacity = p.max_blocks * block_size;
-  const int32_t kv_len =
-      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + b), 0);
-  const auto row_limit = [&](int32_t j) {  // positions query j attends to
-    return min(max(kv_len - (q_len - 1 - j), 0), capacity);
-  };
-  // (int64: the FFI checks that every split starts inside the table, so begin fits int32)
-  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
-  const int32_t split_end =
-      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
-  const int32_t last_end = min(row_limit(q_len - 1), split_end);
+  const SplitRange range = split_range(p, grid, member, b, q_len, split);
+  const int32_t begin = range.begin;
+  const int32_t last_end = min(range.row_limit(q_len - 1), range.split_end);
   const int64_t member_rows = int64_t(member) * p.num_tokens * p.num_q_heads;
   const auto q_row_of = [&](int r) {  // row r's index among the member's [T, Hq] rows
     uint32_t h;
@@ -79,9 +71,7 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   };
   // The end of row r's positions in this split (a row past `rows`: none).
   const auto row_end = [&](int r) {
-    return r < rows ? uint32_t(max(min(row_limit(int32_t(grid.group.div(uint32_t(r)))),
-                                       split_end), begin))
-                    : uint32_t(begin);
+    return r < rows ? uint32_t(max(range.row_end(grid, r), begin)) : uint32_t(begin);
   };
 
   if (begin >= last_end) {  // nothing to attend to in this split
@@ -137,12 +127,8 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
                             const int64_t row = q_row_of(r);
                             if (lse2 == -INFINITY) {  // nothing attended to in this split
                               write_empty(p, row, split, d, kHead);
-                            } else if (p.num_splits == 1) {
-                              store_out(p.out, p.q_type, row * kHead + d, value * out_scale);
-                              if (d == 0) p.lse[row] = lse2 * kLn2;
                             } else {
-                              p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
-                              if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
+                              write_result(p, row, split, d, kHead, value, lse2, out_scale);
                             }
                           });
 }

@@ -98,19 +98,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     return tile < 0 ? 0 : min(kRows, rows_seq - tile * kRows);
   };
 
-  const int32_t block_size = int32_t(grid.block_size.divisor);
-  const int32_t capacity = p.max_blocks * block_size;
-  const int32_t kv_len =
-      max(__ldg(p.seq_lens + (p.lens_stacked ? int64_t(member) * max_num_seqs : 0) + work.seq), 0);
-  const auto row_limit = [&](int32_t j) {  // positions query j attends to
-    return min(max(kv_len - (work.q_len - 1 - j), 0), capacity);
-  };
-  const int32_t begin = int32_t(min(int64_t(split) * p.tokens_per_split, int64_t(capacity)));
-  const int32_t split_end =
-      int32_t(min(int64_t(split) * p.tokens_per_split + p.tokens_per_split, int64_t(capacity)));
+  const SplitRange range = split_range(p, grid, member, work.seq, work.q_len, split);
+  const int32_t begin = range.begin;
   // Consumer 0's tile is the later one: its last row ends last.
-  const int32_t last_end =
-      min(row_limit(grid.group.div(uint32_t(first_tile * kRows + rows_of(0) - 1))), split_end);
+  const int32_t last_end = range.row_end(grid, first_tile * kRows + rows_of(0) - 1);
   const auto q_row_of = [&](int c, int r) {  // row r of consumer c's tile among [T, Hq]
     uint32_t qh;
     const uint32_t j = grid.group.divmod(uint32_t((first_tile - c) * kRows + r), &qh);
@@ -128,7 +119,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 
   if (wg == 0) {
     // The producer.
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerRegisters));
+    setmaxnreg_dec<kProducerRegisters>();
     const PageView<kLayout> pv = tile_page_view<kLayout>(p, grid, member, work.seq, kv_head);
     static_assert(R::kThreadsPerVector == 1, "one producer thread per (position, side)");
     const int side = t / R::kKv, vector = t % R::kKv;
@@ -168,7 +159,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         page_ahead = page_of(ahead + 1);
       }
       copy_async_commit();
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // read by wgmma next
+      fence_proxy_async_shared();  // read by wgmma next
       named_arrive(full_barrier(stage), kPipeThreads);
     }
     copy_async_wait<0>();
@@ -179,7 +170,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   }
 
   // A consumer.
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kConsumerRegisters));
+  setmaxnreg_inc<kConsumerRegisters>();
   const int c = wg - 1;
   const int rows_here = rows_of(c);
   const int warp = t >> 5, g = lane >> 2, qd = lane & 3;
@@ -198,7 +189,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         stage_q_half<kHead>(p, q_row, half, qk_scale, my_q + r * R::kStride + half * (kHead / 2));
     if (half == 0) {
       const int32_t row = (first_tile - c) * kRows + r;
-      my_end[r] = valid ? min(row_limit(grid.group.div(uint32_t(max(row, 0)))), split_end) : 0;
+      my_end[r] = valid ? range.row_end(grid, row) : 0;
       my_scale[r] = row_score_scale(qk_scale, exponent);
       my_q_row[r] = valid ? int32_t(q_row - member_rows) : -1;
     }
@@ -210,17 +201,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 #pragma unroll
   for (int k = 0; k < R::kKSteps; ++k)
     ldmatrix_x4(qf[k], my_q + (warp * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
-  const int my_row0 = warp * 16 + g;
-  const int32_t limit[2] = {my_end[my_row0], my_end[my_row0 + 8]};
-  const float score_scale[2] = {my_scale[my_row0], my_scale[my_row0 + 8]};
-  int32_t warp_min_end = INT_MAX;  // the smallest end among the warp's rows
-  {
-    const int r = warp * 16 + (lane & 15);
-    warp_min_end = r < rows_here ? my_end[r] : INT_MAX;
-#pragma unroll
-    for (int d = 8; d > 0; d /= 2)
-      warp_min_end = min(warp_min_end, __shfl_xor_sync(kFullMask, warp_min_end, d));
-  }
+  const WarpRows rows = warp_rows(my_end, my_scale, warp * 16, rows_here, true, lane);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[R::kOTiles][4];
@@ -256,90 +237,27 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
       wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * R::kKvBytes + 16 * k * 128));
     wgmma_commit();
   };
-  // The online softmax of step `step`'s scores (landed), as in the ragged kernel: masked steps
-  // scale, mask and subtract; the others take the max of the raw scores and one FFMA each.
+  // The online softmax of step `step`'s scores (landed), fenced on both sides by empty asms that
+  // take the scores: it starts after the wait for S and is done before the wait for P V.
   const auto softmax = [&](int step, float (&alpha)[2]) {
     float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
     wgmma_fence_operands(acc);
-    const int32_t step_base = begin + step * R::kKv;
-    const bool masked = step_base + R::kKv > warp_min_end;
-    float top[2] = {m[0], m[1]};
-    if (masked) {
-#pragma unroll
-      for (int i = 0; i < R::kSTiles; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          float x = s[i][k] * score_scale[k >> 1];
-          if (step_base + 8 * i + 2 * qd + (k & 1) >= limit[k >> 1]) x = -INFINITY;
-          s[i][k] = x;
-          top[k >> 1] = fmaxf(top[k >> 1], x);
-        }
-    } else {
-      float raw_top[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int i = 0; i < R::kSTiles; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) raw_top[k >> 1] = fmaxf(raw_top[k >> 1], s[i][k]);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * score_scale[h]);
-    }
-    float offset[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
-      top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
-      offset[h] = top[h] == -INFINITY ? 0.f : top[h];
-      alpha[h] = exp2_approx(m[h] - offset[h]);
-      m[h] = top[h];
-      l[h] *= alpha[h];
-    }
-    if (masked) {
-#pragma unroll
-      for (int i = 0; i < R::kSTiles; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          s[i][k] = exp2_approx(s[i][k] - offset[k >> 1]);
-          l[k >> 1] += s[i][k];
-        }
-    } else {
-#pragma unroll
-      for (int i = 0; i < R::kSTiles; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          s[i][k] = exp2_approx(__fmaf_rn(s[i][k], score_scale[k >> 1], -offset[k >> 1]));
-          l[k >> 1] += s[i][k];
-        }
-    }
-    // (the results taken by an empty asm: the softmax is done before the caller's wait)
+    online_softmax(s, begin + step * R::kKv, R::kKv, rows, qd, m, l, alpha);
     wgmma_fence_operands(acc);
   };
   // After the P V of the step before is done: O rescaled to the new max, P packed.
   const auto rescale_and_pack = [&](const float (&alpha)[2]) {
     float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
     wgmma_fence_operands(acc);
-    if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < R::kOTiles; ++i)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) o[i][k] *= alpha[k >> 1];
-    }
-#pragma unroll
-    for (int k = 0; k < R::kPSteps; ++k) {
-      a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
-      a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
-      a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
-      a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
-    }
+    rescale_o(o, alpha);
+    pack_p(s, a);
   };
 
   // This consumer's own steps: up to the end of its last row (consumer 1's tile ends before
   // consumer 0's; a consumer without a tile has none). Past them it hands the stages back
   // unread, so that the positions only consumer 0's rows see never enter consumer 1's P V.
   const int32_t own_end =
-      rows_here > 0
-          ? min(row_limit(grid.group.div(uint32_t((first_tile - c) * kRows + rows_here - 1))),
-                split_end)
-          : begin;
+      rows_here > 0 ? range.row_end(grid, (first_tile - c) * kRows + rows_here - 1) : begin;
   const int my_steps = own_end > begin ? (own_end - begin + R::kKv - 1) / R::kKv : 0;
   if (my_steps > 0) {
     float alpha[2];
@@ -390,7 +308,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const int dim = permuted_dim_even(qd);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int r = my_row0 + 8 * h;
+    const int r = warp * 16 + g + 8 * h;
     if (r >= rows_here) continue;
     const int64_t row = member_rows + my_q_row[r];
     const bool empty = m[h] == -INFINITY && !isnan(l[h]);
@@ -404,14 +322,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
           write_empty(p, row, split, d, kHead);
           continue;
         }
-        const float value = o[i][2 * h + k] / l[h];
-        if (p.num_splits == 1) {
-          store_out(p.out, p.q_type, row * kHead + d, value * (v_scale * 128.f));
-          if (d == 0) p.lse[row] = lse2 * kLn2;
-        } else {
-          p.partial_out[(row * p.num_splits + split) * kHead + d] = value;
-          if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
-        }
+        write_result(p, row, split, d, kHead, o[i][2 * h + k] / l[h], lse2, v_scale * 128.f);
       }
   }
 #else

@@ -326,6 +326,132 @@ __device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_ro
   return exponent;
 }
 
+// A warp's two rows in a tile kernel's loop (rows g and g + 8 of its 16: the MMA's C layout, a
+// row's 4 lanes share it): where each row's positions end, its score scale (log2 units) and the
+// smallest end among the warp's rows (steps below it need no mask). From the tile's row data in
+// shared memory (rows_here rows, the warp's from first_row); a warp without rows masks all.
+struct WarpRows {
+  int32_t limit[2];
+  float score_scale[2];
+  int32_t min_end;
+};
+
+__device__ __forceinline__ WarpRows warp_rows(const int32_t* row_end, const float* row_scale,
+                                              int first_row, int rows_here, bool has_rows,
+                                              int lane) {
+  WarpRows w;
+  const int row = first_row + (lane >> 2);
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    w.limit[h] = has_rows ? row_end[row + 8 * h] : 0;
+    w.score_scale[h] = row_scale[row + 8 * h];
+  }
+  w.min_end = INT_MAX;
+  if (has_rows) {
+    const int r = first_row + (lane & 15);
+    w.min_end = r < rows_here ? row_end[r] : INT_MAX;
+#pragma unroll
+    for (int d = 8; d > 0; d /= 2) w.min_end = min(w.min_end, __shfl_xor_sync(kFullMask, w.min_end, d));
+  }
+  return w;
+}
+
+// One step of the online softmax of the warp's two rows over its scores s (n-tile t, entry c:
+// position first + 8 t + 2 qd + (c & 1); the first `count` positions), in two forms. A step that
+// reaches past the end of one of the warp's rows scales each score, masks it and exponentiates
+// its difference to the max. Every other step (all but the last few of a long tile) needs no
+// mask: the row scale is >= 0 (its sign is in q, stage_q_half), so the max of the scaled scores
+// is the scaled max of the raw ones, and each exponent is one fused multiply-add, s * scale -
+// max. Both keep the max in scaled units. Updates m and l, leaves P in s, and returns the factor
+// O must be rescaled by in alpha (rescale_o: the caller applies it, at once or once an
+// asynchronous P V still reading O is done).
+template <int kSTiles>
+__device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t first, int count,
+                                               const WarpRows& rows, int qd, float (&m)[2],
+                                               float (&l)[2], float (&alpha)[2]) {
+  const bool masked = first + count > rows.min_end;
+  float top[2] = {m[0], m[1]};
+  if (masked) {
+#pragma unroll
+    for (int t = 0; t < kSTiles; ++t) {
+      if (t * 8 >= count) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float x = s[t][c] * rows.score_scale[c >> 1];
+        if (first + 8 * t + 2 * qd + (c & 1) >= rows.limit[c >> 1]) x = -INFINITY;
+        s[t][c] = x;
+        top[c >> 1] = fmaxf(top[c >> 1], x);
+      }
+    }
+  } else {
+    float raw_top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int t = 0; t < kSTiles; ++t) {
+      if (t * 8 >= count) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) raw_top[c >> 1] = fmaxf(raw_top[c >> 1], s[t][c]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * rows.score_scale[h]);
+  }
+  float offset[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
+    top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
+    offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
+    alpha[h] = exp2_approx(m[h] - offset[h]);
+    m[h] = top[h];
+    l[h] *= alpha[h];
+  }
+  if (masked) {  // (two loops, not a select per score)
+#pragma unroll
+    for (int t = 0; t < kSTiles; ++t) {
+      if (t * 8 >= count) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
+        l[c >> 1] += s[t][c];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int t = 0; t < kSTiles; ++t) {
+      if (t * 8 >= count) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        s[t][c] = exp2_approx(__fmaf_rn(s[t][c], rows.score_scale[c >> 1], -offset[c >> 1]));
+        l[c >> 1] += s[t][c];
+      }
+    }
+  }
+}
+
+// O (n-tiles of the C layout, rows g and g + 8) times alpha, where any row's max moved.
+template <int kOTiles>
+__device__ __forceinline__ void rescale_o(float (&o)[kOTiles][4], const float (&alpha)[2]) {
+  if (__any_sync(kFullMask, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o[t][c] *= alpha[c >> 1];
+  }
+}
+
+// P (the softmax's output in the S accumulators) as fp16 A fragments of 16 positions (two
+// n-tiles each) for P V.
+template <int kPSteps>
+__device__ __forceinline__ void pack_p(const float (&s)[2 * kPSteps][4],
+                                       uint32_t (&a)[kPSteps][4]) {
+#pragma unroll
+  for (int k = 0; k < kPSteps; ++k) {
+    a[k][0] = pack_f16x2(s[2 * k][0], s[2 * k][1]);
+    a[k][1] = pack_f16x2(s[2 * k][2], s[2 * k][3]);
+    a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
+    a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
+  }
+}
+
 // The row scale of the scores (log2 units) for a row of exponent `exponent`.
 __device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
   return ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
