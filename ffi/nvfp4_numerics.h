@@ -280,25 +280,17 @@ NVFP4_HD uint8_t scale_byte(float amax, StoreFactor f, float recip_denominator) 
 
 // docs/format.md §2 step 5: the multiplier applied to each element of a block stored with scale
 // byte `byte`, 1 / (its decoded scale * 1/g), and 0 for a zero scale. A function of the byte
-// and the global factor only: a kernel may tabulate it for the 256 bytes.
+// and the global factor only (a per-CTA table of the 256 values would give the same bytes: the
+// store's v11 tried one and was slower, benchmarks/NOTES.md).
 NVFP4_HD float out_scale_of(uint8_t byte, StoreFactor f) {
   const float sfq = e4m3_decode(byte);
   return sfq != 0.0f ? div_rn(1.0f, mul_rn(sfq, f.inv_g)) : 0.0f;
 }
 
-// out_scale_of computed for each block (every kernel today; a per-CTA table of the 256 values
-// would give the same bytes: the store's v11 tried one, benchmarks/NOTES.md).
-struct DirectOutScale {
-  StoreFactor f;
-  NVFP4_HD float operator()(uint8_t byte) const { return out_scale_of(byte, f); }
-};
-
 // docs/format.md §2 steps 3-5 for one candidate denominator.
-template <typename OutScale>
-NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominator,
-                                const OutScale& out_scale) {
+NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominator) {
   const uint8_t byte = scale_byte(amax, f, recip_denominator);
-  return {byte, out_scale(byte)};
+  return {byte, out_scale_of(byte, f)};
 }
 
 // The block's 16 codes at out_scale, packed as stored: two little-endian words, element 2k in
@@ -340,15 +332,14 @@ struct QuantizedBlock {
 
 // The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3) and
 // its codes: with 4over6 each candidate's codes are computed once, for its error and, if
-// chosen, the output. `out_scale` gives step 5's multiplier of a scale byte (DirectOutScale).
-template <typename OutScale>
+// chosen, the output.
 NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch search,
-                                 uint32_t (&code)[2], const OutScale& out_scale) {
+                                 uint32_t (&code)[2]) {
   const float amax = block_amax(x);
-  BlockScale chosen = block_scale(amax, f, kRecip6, out_scale);
+  BlockScale chosen = block_scale(amax, f, kRecip6);
   block_codes(x, chosen.out_scale, code);
   if (search == ScaleSearch::k4Over6) {
-    const BlockScale four = block_scale(amax, f, kRecip4, out_scale);
+    const BlockScale four = block_scale(amax, f, kRecip4);
     uint32_t four_code[2];
     block_codes(x, four.out_scale, four_code);
     if (block_error(x, four_code, four.out_scale) < block_error(x, code, chosen.out_scale)) {
@@ -359,16 +350,10 @@ NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch sear
   return chosen;
 }
 
-template <typename OutScale>
-NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search,
-                                       const OutScale& out_scale) {
-  uint32_t code[2];
-  const BlockScale chosen = chosen_block(x, f, search, code, out_scale);
-  return {chosen.byte, {code[0], code[1]}};
-}
-
 NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
-  return quantize_block(x, f, search, DirectOutScale{f});
+  uint32_t code[2];
+  const BlockScale chosen = chosen_block(x, f, search, code);
+  return {chosen.byte, {code[0], code[1]}};
 }
 
 #if !defined(__CUDACC__)
@@ -383,7 +368,7 @@ inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scale
                             uint8_t* packed) {
   uint32_t code[kMaxBatchBlocks][2];
   for (int b = 0; b < n; ++b)
-    scales[b] = chosen_block(x + b * kBlockElems, f, kSearch, code[b], DirectOutScale{f}).byte;
+    scales[b] = chosen_block(x + b * kBlockElems, f, kSearch, code[b]).byte;
   for (int b = 0; b < n; ++b)
     for (int k = 0; k < kBlockBytes; ++k)
       packed[b * kBlockBytes + k] = uint8_t(code[b][k / 4] >> (8 * (k % 4)));

@@ -65,11 +65,11 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
 
 // Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
 // cache at `slot` (>= 0).
-template <bool kIsF16, int kBlocks, ScaleSearch kSearch, typename OutScale>
+template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShape& shape,
                                            const WorkItem& w, int64_t slot,
                                            const uint4 (&in)[2 * kBlocks], StoreFactor factor,
-                                           const OutScale& out_scale, bool aligned_data) {
+                                           bool aligned_data) {
   uint32_t row;
   const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
 #pragma unroll
@@ -83,7 +83,7 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
       x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
       x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
     }
-    const QuantizedBlock q = quantize_block(x, factor, kSearch, out_scale);
+    const QuantizedBlock q = quantize_block(x, factor, kSearch);
     const BlockPlacement at =
         place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
     if (aligned_data) {
@@ -126,8 +126,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   }
   if (slot < 0) return;
   const StoreFactor factor = shared_scales ? shared_factor[w.side] : p.factor(w.layer, w.side);
-  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, DirectOutScale{factor},
-                                       aligned_data);
+  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, aligned_data);
 }
 
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
