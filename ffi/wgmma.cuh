@@ -103,12 +103,16 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 }
 
 // Named barriers between warpgroups: `threads` threads (a multiple of 32) take part, some
-// waiting (sync), the others only arriving.
+// waiting (sync), the others only arriving. The unaligned forms: `bar.sync` and `bar.arrive`
+// are `barrier.sync.aligned` and `barrier.arrive.aligned`, which promise that every thread
+// taking part executes the same instruction; here one phase of a barrier is reached from
+// several places (the producer's arrive, a consumer's main loop, a consumer's drain loop),
+// which only the unaligned forms allow (compute-sanitizer synccheck reports the aligned ones).
 __device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // d[64 x 64] += a[64 x 16] b[16 x 64]; kTransB: b is MN-major (else K-major).
