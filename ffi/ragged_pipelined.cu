@@ -13,8 +13,8 @@
 // widening: a NaN in the V of a position that only rows of consumer 0's (later) tile may see
 // reaches consumer 1's rows too when it lies in the 64-position step where consumer 1's rows
 // end (through 0 x NaN in P V; the ragged kernel converts such positions as zeros).
-// Launched (by the ragged handler, ragged_cuda.cu, before the ragged kernel) only when switched
-// on (PipelinedPrefillRuns) until it has run on a GPU.
+// Launched by the ragged handler (ragged_cuda.cu) before the ragged kernel wherever
+// PipelinedPrefillRuns: on an H200, 1.5x the ragged kernel's speed on long chunks (ragged v9).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -334,17 +334,17 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 #endif
 }
 
-// Whether the current GPU runs the pipelined prefill kernel: switched on (built with
-// NVFP4_RAGGED_PIPELINED=1, or JAX_NVFP4_RAGGED_PIPELINED=1 in the environment of the process,
-// read once: a developer's switch for A/B runs in one build until the kernel has run on a GPU),
-// an sm_90 device, and the build's code for it the sm_90a kernel, whose register hand-over
-// (setmaxnreg) needs exactly the launch's 168 registers a thread: asked once per device (an
-// attribute query, allowed while XLA captures a command buffer).
+// Whether the current GPU runs the pipelined prefill kernel: not switched off (the developers'
+// switch JAX_NVFP4_RAGGED_PIPELINED=0 in the environment of the process, read once, leaves the
+// long sequences to the ragged kernel: one build then measures and tests both; tests/gpu_checks.sh
+// part ragged-tile), an sm_90 device, and the build's code for it the sm_90a kernel, whose
+// register hand-over (setmaxnreg) needs exactly the launch's 168 registers a thread: asked once
+// per device (an attribute query, allowed while XLA captures a command buffer).
 template <bool kSwizzle, Layout kLayout>
 bool PipelinedPrefillRuns() {
   static const bool switched_on = [] {
     const char* value = std::getenv("JAX_NVFP4_RAGGED_PIPELINED");
-    return NVFP4_RAGGED_PIPELINED || (value != nullptr && std::string_view(value) == "1");
+    return value == nullptr || std::string_view(value) != "0";
   }();
   if (!switched_on) return false;
   static std::atomic<uint64_t> asked{0}, runs{0};

@@ -461,10 +461,6 @@ __device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
 // The pipelined prefill kernel (ragged_pipelined.cu): the sequences it takes, which the ragged
 // kernel skips when it runs.
 
-#ifndef NVFP4_RAGGED_PIPELINED
-#define NVFP4_RAGGED_PIPELINED 0
-#endif
-
 constexpr int kPipelinedHead = 128;
 constexpr int32_t kPipelinedMinRows = 32;  // more rows than this: the tiles are wgmma tiles
 // Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs).

@@ -32,7 +32,7 @@ RAGGED_FILES=(tests/test_ragged_attention.py)
 SAN_GROUPS=(store decode ragged ragged-cases rest)
 
 all_parts() {
-    echo suite-gpu suite-cpu
+    echo suite-gpu suite-cpu ragged-tile
     local tool group
     for tool in "${TOOLS[@]}"; do
         for group in "${SAN_GROUPS[@]}"; do echo "$tool:$group"; done
@@ -50,9 +50,12 @@ summary line per part: PART PASS|FAIL|TIMEOUT SECONDS DETAILS.
 Options:
   --parts LIST        comma-separated parts or groups of parts (default: all):
                         all        every part below
-                        suite      suite-gpu, suite-cpu
+                        suite      suite-gpu, suite-cpu, ragged-tile
                         suite-gpu  pytest -m gpu tests (every GPU test)
                         suite-cpu  pytest -m "not gpu" tests (the rest, on this machine's CPU)
+                        ragged-tile  the ragged GPU tests with JAX_NVFP4_RAGGED_PIPELINED=0
+                                   (the pipelined prefill kernel off: the ragged kernel's
+                                   long-sequence path)
                         TOOL       TOOL:store, TOOL:decode, TOOL:ragged, TOOL:ragged-cases,
                                    TOOL:rest, for TOOL in memcheck racecheck synccheck initcheck
                                    (compute-sanitizer --kernel-name kns=nvfp4 over the GPU
@@ -126,7 +129,7 @@ expand() {
     local item="$1" tool group
     case "$item" in
         all) all_parts ;;
-        suite) echo suite-gpu suite-cpu ;;
+        suite) echo suite-gpu suite-cpu ragged-tile ;;
         sanitizers) for tool in "${TOOLS[@]}"; do for group in "${SAN_GROUPS[@]}"; do echo "$tool:$group"; done; done ;;
         initcheck-all) echo initcheck-all:decode initcheck-all:store ;;
         memcheck|racecheck|synccheck|initcheck) for group in "${SAN_GROUPS[@]}"; do echo "$item:$group"; done ;;
@@ -174,6 +177,10 @@ command_of() {
     case "$part" in
         suite-gpu) CMD=("$PYTHON" "${PYTEST[@]}" -m gpu tests) ;;
         suite-cpu) CMD=("$PYTHON" "${PYTEST[@]}" -m "not gpu" tests) ;;
+        # The ragged GPU tests again with the pipelined prefill kernel switched off, so that the
+        # ragged kernel's own path for long sequences keeps its GPU tests.
+        ragged-tile) CMD=(env JAX_NVFP4_RAGGED_PIPELINED=0 "$PYTHON" "${PYTEST[@]}" -m gpu
+                          "${RAGGED_FILES[@]}") ;;
         properties) CMD=(env JAX_NVFP4_HYPOTHESIS=long "JAX_NVFP4_HYPOTHESIS_EXAMPLES=$PROPERTY_EXAMPLES"
                          "$PYTHON" "${PYTEST[@]}" -m gpu --hypothesis-show-statistics
                          tests/test_properties.py) ;;

@@ -65,10 +65,12 @@ def test_help_and_list_name_every_part():
     done = run("--help")
     assert done.returncode == 0 and "Usage: tests/gpu_checks.sh" in done.stdout
     parts = run("--list").stdout.split()
-    want = (["suite-gpu", "suite-cpu"] + [f"{t}:{g}" for t in TOOLS for g in GROUPS]
+    want = (["suite-gpu", "suite-cpu", "ragged-tile"]
+            + [f"{t}:{g}" for t in TOOLS for g in GROUPS]
             + ["initcheck-all:decode", "initcheck-all:store", "properties", "soak"])
     assert parts == want
-    for word in ("suite-gpu", "initcheck-all", "properties", "soak", "--budget", "--dry-run",
+    for word in ("suite-gpu", "ragged-tile", "initcheck-all", "properties", "soak", "--budget",
+                 "--dry-run",
                  "--log-dir", "--parts", "10 minutes"):
         assert word in done.stdout, word
 
@@ -97,7 +99,8 @@ def test_part_groups_and_budgets():
     rows = dry_run("--parts", "soak,memcheck,suite", "--budget", "300", "--budget",
                    "memcheck=200", "--budget", "memcheck:rest=100")
     assert [(p, b) for p, b, _ in rows] == (
-        [("suite-gpu", 300), ("suite-cpu", 300)] + [(f"memcheck:{g}", 200) for g in GROUPS[:-1]]
+        [("suite-gpu", 300), ("suite-cpu", 300), ("ragged-tile", 300)]
+        + [(f"memcheck:{g}", 200) for g in GROUPS[:-1]]
         + [("memcheck:rest", 100), ("soak", 300)])
     assert len(dry_run()) == len(run("--list").stdout.split())
     assert [p for p, _, _ in dry_run("--parts", "initcheck-all,sanitizers,soak,soak")] == (
@@ -135,6 +138,9 @@ def test_dry_run_commands():
         groups.setdefault(tool, {})[group] = program[9:]
     by_part = {p: split_env(a)[1] for p, _, a in rows}
     assert by_part["soak"][-4:] == ["--device", "gpu", "--steps", "123"]
+    env, argv = split_env(dict((p, a) for p, _, a in rows)["ragged-tile"])
+    assert env == {"JAX_NVFP4_RAGGED_PIPELINED": "0"}
+    assert argv[-3:] == ["-m", "gpu", "tests/test_ragged_attention.py"], argv
     env, argv = split_env(dict((p, a) for p, _, a in rows)["properties"])
     assert env == {"JAX_NVFP4_HYPOTHESIS": "long", "JAX_NVFP4_HYPOTHESIS_EXAMPLES": "7"}
     assert argv[-1] == "tests/test_properties.py" and "-m" in argv and "gpu" in argv
