@@ -141,3 +141,27 @@ def test_budget_and_weights_are_checked_up_front(bench):
         bench.make_plan(bench.MODELS["llama3-8b"], "bf16_paged", 32768, 8, 1 << 30)
     # The default model's weights, from its shapes alone: Llama-3-8B's 8.03e9 parameters.
     assert abs(bench.weight_bytes(bench.MODELS["llama3-8b"], "bfloat16") / 2 - 8.03e9) < 0.01e9
+
+
+def test_share_target_not_measured_when_the_profile_names_nothing(bench):
+    """A profile whose events name no instruction (XLA's command buffers hide them) gives
+    attention a share of 0: the target must say "not measured", not "met"."""
+    cfg = {"model": "llama3-8b", "dtype": "bfloat16", "kv_gib": bench.TARGET_KV_GIB}
+
+    def result(shares, floor=0.8):
+        row = {"context": 4096, "cache": "nvfp4", "tokens_per_s": 1.0,
+               "attention_floor_share": floor, "shares": shares}
+        return {"rows": [row], "config": cfg, "platform": "gpu"}
+
+    blind = bench.evaluate_targets(result({"attention": 0.0, "store": 0.0, "rest": 0.0,
+                                           "unattributed": 1.0}))
+    share = [t for t in blind if t["target"].startswith("attention share")]
+    assert [t["status"] for t in share] == ["not measured"]
+    assert "100.0% of the profiled time unattributed" in share[0]["value"]
+    seen = bench.evaluate_targets(result({"attention": 0.85, "store": 0.01, "rest": 0.13,
+                                          "unattributed": 0.01}))
+    assert [t["status"] for t in seen if t["target"].startswith("attention share")] == ["met"]
+    slow = bench.evaluate_targets(result({"attention": 0.99, "store": 0.0, "rest": 0.0,
+                                          "unattributed": 0.01}, floor=0.5))
+    share = [t for t in slow if t["target"].startswith("attention share")]
+    assert share[0]["status"] == "missed" and share[0]["value"].startswith("1.98x")
