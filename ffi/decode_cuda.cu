@@ -127,85 +127,6 @@ __device__ __forceinline__ void merge_cluster_splits(const DecodeProblem& p, con
 #endif
 }
 
-// The cluster merge by pushing (built with -DNVFP4_DECODE_PUSH_MERGE=1; benchmarks/NOTES.md,
-// decode v7, not yet run on a GPU). merge_cluster_splits pulls: every CTA reads its peers'
-// partial results after a cluster barrier, then waits at a second one so that no CTA leaves
-// while a peer still reads its shared memory; at 1 x 4096 the two barriers and the remote
-// loads were ~20% of the kernel (ncu). Here each split pushes its partial values straight into
-// the shared memory of the CTA that merges them (element i belongs to rank i % splits; its lse
-// to every rank), remote stores that nobody waits for, then one cluster barrier
-// (release/acquire), and each CTA merges what it owns from its own shared memory: no remote
-// load, no second barrier. A cluster barrier arrived at (relaxed) when the CTA starts and
-// waited for before the first push makes sure every peer has started (CUDA's rule for
-// distributed shared memory).
-#ifndef NVFP4_DECODE_PUSH_MERGE
-#define NVFP4_DECODE_PUSH_MERGE 0
-#endif
-constexpr bool kPushMerge = NVFP4_DECODE_PUSH_MERGE;
-
-__device__ __forceinline__ void cluster_arrive_relaxed() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_arrive_release() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void cluster_wait_acquire() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-#endif
-}
-
-// Where split `split`'s partial of element i (row i / kHead, dim i % kHead) and of a row's lse
-// go in the merging CTA's buffers (gathered [split][i / splits], gathered_lse [split][row]).
-struct PushedMerge {
-  int splits, per_rank;  // per_rank: elements a rank merges at most, ceil(rows x kHead / splits)
-  __device__ __forceinline__ int owner(int i) const { return i % splits; }
-  __device__ __forceinline__ int slot(int split, int i) const {
-    return split * per_rank + i / splits;
-  }
-};
-
-// Split `split`'s partial value of element i (or, with d == 0, also its row's lse; an empty
-// split pushes only its lse, -inf) into the merging CTAs.
-__device__ __forceinline__ void push_partial(const PushedMerge& m, float* gathered,
-                                             float* gathered_lse, int split, int row, int i,
-                                             bool has_value, float value, bool has_lse,
-                                             float lse2) {
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-  cg::cluster_group cluster = cg::this_cluster();
-  if (has_value) *cluster.map_shared_rank(gathered + m.slot(split, i), m.owner(i)) = value;
-  if (has_lse)
-    for (int r = 0; r < m.splits; ++r)
-      *cluster.map_shared_rank(gathered_lse + split * kHeadsPerCta + row, r) = lse2;
-#endif
-}
-
-// After the cluster barrier: this CTA's elements merged from its own shared memory.
-template <int kHead>
-__device__ __forceinline__ void merge_pushed_splits(const DecodeProblem& p, const PushedMerge& m,
-                                                    const float* gathered,
-                                                    const float* gathered_lse, int rows,
-                                                    int64_t first_row, float out_scale) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // no clusters before sm_90: the handler never asks for them there
-#else
-  const int rank = int(cg::this_cluster().block_rank());
-  for (int i = rank + m.splits * int(threadIdx.x); i < rows * kHead; i += m.splits * kThreads) {
-    const int row = i / kHead, d = i % kHead;
-    float lse2;
-    const float merged = merge_splits(
-        m.splits, [&](int s) { return gathered_lse[s * kHeadsPerCta + row]; },
-        [&](int s) { return gathered[m.slot(s, i)]; }, &lse2);
-    store_out(p.out, p.q_type, (first_row + row) * kHead + d, merged * out_scale);
-    if (d == 0) p.lse[first_row + row] = lse2 * kLn2;
-  }
-#endif
-}
-
 template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     DecodeKernel(const DecodeProblem p, const Grid grid) {
@@ -271,8 +192,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
       fill_rows<kHead>(p.out, p.q_type, p.lse, first_q_row, heads_here, NAN, NAN);
     return;
   }
-  const bool push = kPushMerge && p.cluster_merge;
-  if (push) cluster_arrive_relaxed();  // this CTA has started (waited for before the pushes)
   const bool empty = begin >= end;
   if (empty && !p.cluster_merge) {
     // No position here. With one split this is a sequence of length 0: zeros, lse -inf.
@@ -282,22 +201,12 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     return;
   }
 
-  // The cluster merge's partial results (unused otherwise): this split's, or with the push
-  // merge every split's of the elements this CTA merges (kMaxClusterSplits more for the
-  // rounding up of rows x kHead / splits).
-  __shared__ float split_out[kHeadsPerCta * kHead + (kPushMerge ? kMaxClusterSplits : 0)];
-  __shared__ float split_lse[kPushMerge ? kMaxClusterSplits * kHeadsPerCta : kHeadsPerCta];
+  // The cluster merge's partial results: this split's (unused otherwise).
+  __shared__ float split_out[kHeadsPerCta * kHead];
+  __shared__ float split_lse[kHeadsPerCta];
   const float out_scale = v_scale * 128.f;
-  const PushedMerge pushed{p.num_splits, (heads_here * kHead + p.num_splits - 1) / p.num_splits};
   if (empty) {
-    if (push) {
-      cluster_wait_acquire();  // every peer has started: its shared memory may be written
-      if (threadIdx.x < heads_here)
-        push_partial(pushed, split_out, split_lse, split, int(threadIdx.x), 0, false, 0.f, true,
-                     -INFINITY);
-    } else if (threadIdx.x < heads_here) {
-      split_lse[threadIdx.x] = -INFINITY;
-    }
+    if (threadIdx.x < heads_here) split_lse[threadIdx.x] = -INFINITY;
   } else {
     // q of this lane's head (column g) as the B fragments of S^T = K Q^T.
     RegisterQ<kHead, 1> qf;
@@ -313,13 +222,9 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
                                                lane, first_pages, st);
 
     __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
-    if (push) cluster_wait_acquire();  // every peer has started (long since): pushes may go
     merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,
                           [&](int h, int d, float value, float lse2) {
-                            if (push) {
-                              push_partial(pushed, split_out, split_lse, split, h, h * kHead + d,
-                                           true, value, d == 0, lse2);
-                            } else if (p.cluster_merge) {
+                            if (p.cluster_merge) {
                               split_out[h * kHead + d] = value;
                               if (d == 0) split_lse[h] = lse2;
                             } else if (p.num_splits == 1) {
@@ -333,14 +238,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
                             }
                           });
   }
-  if (push) {
-    cluster_arrive_release();  // the pushes are visible to their owners after the wait
-    cluster_wait_acquire();
-    merge_pushed_splits<kHead>(p, pushed, split_out, split_lse, heads_here, first_q_row,
-                               out_scale);
-  } else if (!kPushMerge && p.cluster_merge) {
+  if (p.cluster_merge)
     merge_cluster_splits<kHead>(p, split_out, split_lse, heads_here, first_q_row, out_scale);
-  }
 }
 
 // Combines the splits of each (member, sequence, query head): weights 2^(lse_s - max).
