@@ -1,18 +1,19 @@
 // The pipelined prefill kernel of ragged paged attention (sm_90a, head size 128;
-// benchmarks/NOTES.md, ragged v9): the
-// sequences of more than kPipelinedMinRows query rows per kv head, two 64-row tiles of one
-// sequence per CTA (design D of "Prefill: the next kernel", whose structure
-// benchmarks/prefill_pipeline_probe.cu measured at 516 TFLOP/s on an H200 against 355 for the
-// ragged kernel's). Three warpgroups: the producer copies the raw page bytes of each step (the
-// ragged kernel's cp.async ring) and converts them into one of kPipeStages fp16 K/V stages;
-// each consumer multiplies its tile's rows by every stage on wgmma, asynchronously: the scores
-// of step n and P V of step n - 1 are issued together, the softmax of step n runs while P V
-// does, and a stage goes back to the producer (named barrier) once its P V is done. Registers
-// move from the producer to the consumers (setmaxnreg). Each consumer keeps every position of
-// its rows, so it writes them itself (no merge between warps). The file's rules hold, with one
-// widening: a NaN in the V of a position that only rows of consumer 0's (later) tile may see
-// reaches consumer 1's rows too when it lies in the 64-position step where consumer 1's rows
-// end (through 0 x NaN in P V; the ragged kernel converts such positions as zeros).
+// benchmarks/NOTES.md, ragged v9 to v10): the sequences of more than kPipelinedMinRows query
+// rows per kv head, two 64-row tiles of one sequence per CTA (design D of "Prefill: the next
+// kernel", whose structure benchmarks/prefill_pipeline_probe.cu measured at 516 TFLOP/s on an
+// H200 against 355 for the ragged kernel's). Three warpgroups: the producer copies the raw page
+// bytes (the ragged kernel's cp.async ring, 64 positions a ring step) and converts them into
+// one of PipeShape::kStages fp16 K/V stages of kStep positions (64, or 128 when switched so:
+// PipelinedStep); each consumer multiplies its tile's rows by every stage on wgmma,
+// asynchronously: the scores of step n and P V of step n - 1 are issued together, the softmax
+// of step n runs while P V does, and a stage goes back to the producer (named barrier) once its
+// P V is done. Registers move from the producer to the consumers (setmaxnreg). Each consumer
+// keeps every position of its rows, so it writes them itself (no merge between warps). The
+// file's rules hold, with one widening: a NaN in the V of a position that only rows of
+// consumer 0's (later) tile may see reaches consumer 1's rows too when it lies in the step
+// where consumer 1's rows end (through 0 x NaN in P V; the ragged kernel converts such
+// positions as zeros).
 // Launched by the ragged handler (ragged_cuda.cu) before the ragged kernel wherever
 // PipelinedPrefillRuns: on an H200, 1.5x the ragged kernel's speed on long chunks (ragged v9).
 #include <cuda_runtime.h>
@@ -36,15 +37,27 @@
 namespace nvfp4 {
 namespace {
 
-constexpr int kPipeStages = 4;             // fp16 K/V stages between producer and consumers
 constexpr int kPipeThreads = 3 * kThreads;
 // 128 x 56 + 256 x 224 registers <= 64 K (the probe: at 24 the producer spilled, D ran 0.64x)
 constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 
-// Shared memory: the fp16 stages (1024-byte aligned), the raw ring, both tiles' q, row data.
+// A step of kStep positions (64, or 128: benchmarks/NOTES.md, ragged v10): the fp16 K/V stages
+// handed from the producer to the consumers hold kStep positions each, in RaggedShape's layout
+// with blocks of kStep rows; the raw ring stays RaggedShape's (64-position ring steps, kStep / 64
+// of them converted per step). Shared memory: the stages (1024-byte aligned), the raw ring, both
+// tiles' q, row data: 212.5 KB either way.
+template <int kStep>
 struct PipeShape {
   using R = RaggedShape<kPipelinedHead>;
-  static constexpr int kRingOffset = kPipeStages * R::kKvBytes;
+  static_assert(kStep == 64 || kStep == 128, "steps of 64 or 128 positions");
+  static constexpr int kRawSteps = kStep / R::kKv;     // ring steps per step
+  static constexpr int kStages = kStep == 64 ? 4 : 2;  // fp16 stages
+  static constexpr int kSTiles = kStep / 8;            // n-tiles of S
+  static constexpr int kPSteps = kStep / 16;           // k-steps of P V
+  static constexpr int kBlockBytes = kStep * 128;      // one 64-dim block of one side
+  static constexpr int kSideBytes = kPipelinedHead / 64 * kBlockBytes;
+  static constexpr int kStageBytes = 2 * kSideBytes;
+  static constexpr int kRingOffset = kStages * kStageBytes;
   static constexpr int kQOffset = kRingOffset + R::kRingBytes;
   static constexpr int kRowOffset = kQOffset + 2 * kRows * R::kStride * 2;
   static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
@@ -52,21 +65,24 @@ struct PipeShape {
 
 // Named barriers (0 is __syncthreads): stage i full (the producer arrives, the consumers wait)
 // and empty (the consumers arrive, the producer waits), the producer's own, each consumer's.
+constexpr int kMaxPipeStages = 4;
 __device__ __forceinline__ int full_barrier(int stage) { return 1 + stage; }
-__device__ __forceinline__ int empty_barrier(int stage) { return 1 + kPipeStages + stage; }
-constexpr int kProducerBarrier = 1 + 2 * kPipeStages;
-__device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kPipeStages + c; }
+__device__ __forceinline__ int empty_barrier(int stage) { return 1 + kMaxPipeStages + stage; }
+constexpr int kProducerBarrier = 1 + 2 * kMaxPipeStages;
+__device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipeStages + c; }
 
-template <bool kSwizzle, Layout kLayout>
+template <bool kSwizzle, Layout kLayout, int kStep>
 __global__ void __launch_bounds__(kPipeThreads, 1)
     PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHead = kPipelinedHead;
   using R = RaggedShape<kHead>;
+  using P = PipeShape<kStep>;
+  static_assert(P::kStages <= kMaxPipeStages, "barrier ids");
   extern __shared__ __align__(1024) uint8_t smem[];
-  uint8_t* const ring = smem + PipeShape::kRingOffset;
-  uint16_t* const q_smem = reinterpret_cast<uint16_t*>(smem + PipeShape::kQOffset);
-  int32_t* const row_end = reinterpret_cast<int32_t*>(smem + PipeShape::kRowOffset);
+  uint8_t* const ring = smem + P::kRingOffset;
+  uint16_t* const q_smem = reinterpret_cast<uint16_t*>(smem + P::kQOffset);
+  int32_t* const row_end = reinterpret_cast<int32_t*>(smem + P::kRowOffset);
   float* const row_scale = reinterpret_cast<float*>(row_end + 2 * kRows);
   int32_t* const row_q = row_end + 4 * kRows;
 
@@ -114,7 +130,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         write_empty(p, q_row_of(wg - 1, i / kHead), split, i % kHead, kHead);
     return;
   }
-  const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
+  const int num_steps = (last_end - begin + kStep - 1) / kStep;
   const uint32_t end = uint32_t(last_end);
 
   if (wg == 0) {
@@ -122,54 +138,63 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     setmaxnreg_dec<kProducerRegisters>();
     const PageView<kLayout> pv = tile_page_view<kLayout>(p, grid, member, work.seq, kv_head);
     static_assert(R::kThreadsPerVector == 1, "one producer thread per (position, side)");
+    // Ring steps of 64 positions: kRawSteps of them per step.
     const int side = t / R::kKv, vector = t % R::kKv;
     const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
-    const auto position = [&](int step) { return uint32_t(begin + step * R::kKv + vector); };
-    const auto page_of = [&](int step) {
-      const uint32_t pos = position(step);
+    const int num_raw = num_steps * P::kRawSteps;
+    const auto position = [&](int raw) { return uint32_t(begin + raw * R::kKv + vector); };
+    const auto page_of = [&](int raw) {
+      const uint32_t pos = position(raw);
       return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
     };
-    const auto copy_step = [&](int step, int32_t page) {
-      const uint32_t pos = position(step);
+    const auto copy_raw = [&](int raw, int32_t page) {
+      const uint32_t pos = position(raw);
       uint32_t row;
       grid.block_size.divmod(pos, &row);
-      copy_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged, pv,
+      copy_vector<kHead, kSwizzle>(ring + (raw % R::kStages) * R::kRawStageBytes, staged, pv,
                                    page, pos, end, row, side, 0);
     };
 #pragma unroll
-    for (int step = 0; step < R::kStages - 1; ++step) {
-      if (step < num_steps) copy_step(step, page_of(step));
+    for (int raw = 0; raw < R::kStages - 1; ++raw) {
+      if (raw < num_raw) copy_raw(raw, page_of(raw));
       copy_async_commit();
     }
     int32_t page_ahead = page_of(R::kStages - 1);
 #pragma unroll 1
     for (int step = 0; step < num_steps; ++step) {
-      const int stage = step % kPipeStages;
-      // This step's bytes have landed (the barrier: every producer thread's; also every
-      // producer thread is done converting the step before, whose ring stage is reused below).
-      copy_async_wait<R::kStages - 2>();
-      named_sync(kProducerBarrier, kThreads);
-      if (step >= kPipeStages) named_sync(empty_barrier(stage), kPipeThreads);
-      convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
-                                      side, vector, 0, position(step) < end,
-                                      smem + stage * R::kKvBytes + side * R::kSideBytes);
-      fence_proxy_async_shared();  // read by wgmma next
-      named_arrive(full_barrier(stage), kPipeThreads);
-      // The copies ahead only after the hand-over: the fence waits for this thread's memory
-      // operations in flight, and a copy issued before it made every step wait for its own
-      // global load (ncu, chunk 2048 over 32768: the fence and the arrive were 10% of the
-      // producer's stall samples, all long scoreboard).
-      const int ahead = step + R::kStages - 1;
-      if (ahead < num_steps) {
-        copy_step(ahead, page_ahead);
-        page_ahead = page_of(ahead + 1);
+      const int stage = step % P::kStages;
+#pragma unroll
+      for (int h = 0; h < P::kRawSteps; ++h) {
+        const int raw = step * P::kRawSteps + h;
+        // This ring step's bytes have landed (the barrier: every producer thread's; also every
+        // producer thread is done converting the ring step before, whose slot is reused below).
+        copy_async_wait<R::kStages - 2>();
+        named_sync(kProducerBarrier, kThreads);
+        if (h == 0 && step >= P::kStages) named_sync(empty_barrier(stage), kPipeThreads);
+        convert_vector<kHead, kSwizzle, P::kBlockBytes>(
+            ring + (raw % R::kStages) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
+            position(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
+        if (h == P::kRawSteps - 1) {
+          fence_proxy_async_shared();  // read by wgmma next
+          named_arrive(full_barrier(stage), kPipeThreads);
+        }
+        // The copies ahead only after the conversion (and after the hand-over where there is
+        // one): the fence waits for this thread's memory operations in flight, and a copy
+        // issued just before it made every step wait for its own global load (ncu, chunk 2048
+        // over 32768: the fence and the arrive were 10% of the producer's stall samples, all
+        // long scoreboard; ragged v9.1).
+        const int ahead = raw + R::kStages - 1;
+        if (ahead < num_raw) {
+          copy_raw(ahead, page_ahead);
+          page_ahead = page_of(ahead + 1);
+        }
+        copy_async_commit();
       }
-      copy_async_commit();
     }
     copy_async_wait<0>();
     // The stages' last hand-backs, so that no barrier is left mid-phase.
-    for (int step = max(num_steps - kPipeStages, 0); step < num_steps; ++step)
-      named_sync(empty_barrier(step % kPipeStages), kPipeThreads);
+    for (int step = max(num_steps - P::kStages, 0); step < num_steps; ++step)
+      named_sync(empty_barrier(step % P::kStages), kPipeThreads);
     return;
   }
 
@@ -213,23 +238,28 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   for (int i = 0; i < R::kOTiles; ++i)
 #pragma unroll
     for (int k = 0; k < 4; ++k) o[i][k] = 0.f;
-  float s[R::kSTiles][4];
-  uint32_t a[R::kPSteps][4];  // P of the step before, wgmma A fragments
+  float s[P::kSTiles][4];
+  uint32_t a[P::kPSteps][4];  // P of the step before, wgmma A fragments
   const uint64_t k_desc = swizzled_desc(smem, 16, 1024);
-  const uint64_t v_desc = swizzled_desc(smem + R::kSideBytes, R::kBlockBytes, 1024);
+  const uint64_t v_desc = swizzled_desc(smem + P::kSideBytes, P::kBlockBytes, 1024);
 
   const auto issue_scores = [&](int stage) {
 #pragma unroll
-    for (int i = 0; i < R::kSTiles; ++i)
+    for (int i = 0; i < P::kSTiles; ++i)
 #pragma unroll
       for (int k = 0; k < 4; ++k) s[i][k] = 0.f;
-    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    float(&acc)[kStep / 2] = reinterpret_cast<float(&)[kStep / 2]>(s);
     wgmma_fence_operands(acc);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < R::kKSteps; ++k)
-      wgmma_64x64<0>(acc, qf[k], desc_plus(k_desc, stage * R::kKvBytes + (k / 4) * R::kBlockBytes +
-                                                       (k % 4) * 32));
+    for (int k = 0; k < R::kKSteps; ++k) {
+      const uint64_t b = desc_plus(k_desc, stage * P::kStageBytes + (k / 4) * P::kBlockBytes +
+                                               (k % 4) * 32);
+      if constexpr (kStep == 64)
+        wgmma_64x64<0>(acc, qf[k], b);
+      else
+        wgmma_64x128<0>(acc, qf[k], b);
+    }
     wgmma_commit();
   };
   const auto issue_values = [&](int stage) {
@@ -237,16 +267,16 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     wgmma_fence_operands(acc);
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < R::kPSteps; ++k)
-      wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * R::kKvBytes + 16 * k * 128));
+    for (int k = 0; k < P::kPSteps; ++k)
+      wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * P::kStageBytes + 16 * k * 128));
     wgmma_commit();
   };
   // The online softmax of step `step`'s scores (landed), fenced on both sides by empty asms that
   // take the scores: it starts after the wait for S and is done before the wait for P V.
   const auto softmax = [&](int step, float (&alpha)[2]) {
-    float(&acc)[32] = reinterpret_cast<float(&)[32]>(s);
+    float(&acc)[kStep / 2] = reinterpret_cast<float(&)[kStep / 2]>(s);
     wgmma_fence_operands(acc);
-    online_softmax(s, begin + step * R::kKv, R::kKv, rows, qd, m, l, alpha);
+    online_softmax(s, begin + step * kStep, kStep, rows, qd, m, l, alpha);
     wgmma_fence_operands(acc);
   };
   // After the P V of the step before is done: O rescaled to the new max, P packed.
@@ -262,7 +292,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   // unread, so that the positions only consumer 0's rows see never enter consumer 1's P V.
   const int32_t own_end =
       rows_here > 0 ? range.row_end(grid, (first_tile - c) * kRows + rows_here - 1) : begin;
-  const int my_steps = own_end > begin ? (own_end - begin + R::kKv - 1) / R::kKv : 0;
+  const int my_steps = own_end > begin ? (own_end - begin + kStep - 1) / kStep : 0;
   if (my_steps > 0) {
     float alpha[2];
     named_sync(full_barrier(0), kPipeThreads);
@@ -273,12 +303,12 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     // Then whole rounds of the stages, unrolled: the stage offsets are constants (stage
     // arithmetic in uniform registers while a product is in flight made ptxas wait for it).
 #pragma unroll 1
-    for (int round = 0; round < my_steps; round += kPipeStages) {
+    for (int round = 0; round < my_steps; round += P::kStages) {
 #pragma unroll
-      for (int j = 1; j <= kPipeStages; ++j) {
+      for (int j = 1; j <= P::kStages; ++j) {
         const int step = round + j;
         if (step >= my_steps) break;
-        const int stage = j % kPipeStages, before = j - 1;
+        const int stage = j % P::kStages, before = j - 1;
         named_sync(full_barrier(stage), kPipeThreads);
         issue_scores(stage);
         issue_values(before);
@@ -289,7 +319,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         rescale_and_pack(alpha);
       }
     }
-    const int last = (my_steps - 1) % kPipeStages;
+    const int last = (my_steps - 1) % P::kStages;
     issue_values(last);
     wgmma_wait<0>();
     named_arrive(empty_barrier(last), kPipeThreads);
@@ -297,8 +327,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     wgmma_fence_operands(acc);
   }
   for (int step = my_steps; step < num_steps; ++step) {
-    named_sync(full_barrier(step % kPipeStages), kPipeThreads);
-    named_arrive(empty_barrier(step % kPipeStages), kPipeThreads);
+    named_sync(full_barrier(step % P::kStages), kPipeThreads);
+    named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
   // Each thread writes its two rows' dims (8 t + the permuted dim, + 4): the row sums over the
@@ -334,19 +364,26 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 #endif
 }
 
-// Whether the current GPU runs the pipelined prefill kernel: not switched off (the developers'
-// switch JAX_NVFP4_RAGGED_PIPELINED=0 in the environment of the process, read once, leaves the
-// long sequences to the ragged kernel: one build then measures and tests both; tests/gpu_checks.sh
-// part ragged-tile), an sm_90 device, and the build's code for it the sm_90a kernel, whose
-// register hand-over (setmaxnreg) needs exactly the launch's 168 registers a thread: asked once
-// per device (an attribute query, allowed while XLA captures a command buffer).
-template <bool kSwizzle, Layout kLayout>
-bool PipelinedPrefillRuns() {
-  static const bool switched_on = [] {
+// The developers' switch JAX_NVFP4_RAGGED_PIPELINED in the environment of the process, read
+// once: 0 leaves the long sequences to the ragged kernel (one build then measures and tests
+// both; tests/gpu_checks.sh part ragged-tile), 128 runs the kernel in steps of 128 positions
+// (ragged v10, until it has been measured), anything else or nothing in steps of 64.
+int PipelinedStep() {
+  static const int step = [] {
     const char* value = std::getenv("JAX_NVFP4_RAGGED_PIPELINED");
-    return value == nullptr || std::string_view(value) != "0";
+    if (value == nullptr) return 64;
+    const std::string_view v(value);
+    return v == "0" ? 0 : v == "128" ? 128 : 64;
   }();
-  if (!switched_on) return false;
+  return step;
+}
+
+// Whether the current GPU runs the pipelined prefill kernel in steps of kStep: an sm_90 device,
+// and the build's code for it the sm_90a kernel, whose register hand-over (setmaxnreg) needs
+// exactly the launch's 168 registers a thread: asked once per device (an attribute query,
+// allowed while XLA captures a command buffer).
+template <bool kSwizzle, Layout kLayout, int kStep>
+bool PipelinedPrefillRuns() {
   static std::atomic<uint64_t> asked{0}, runs{0};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
@@ -360,7 +397,7 @@ bool PipelinedPrefillRuns() {
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
             cudaSuccess &&
         major == 9 && minor == 0 &&
-        cudaFuncGetAttributes(&attributes, PipelinedPrefillKernel<kSwizzle, kLayout>) ==
+        cudaFuncGetAttributes(&attributes, PipelinedPrefillKernel<kSwizzle, kLayout, kStep>) ==
             cudaSuccess &&
         attributes.numRegs * kPipeThreads ==
             kThreads * (kProducerRegisters + 2 * kConsumerRegisters);
@@ -371,7 +408,7 @@ bool PipelinedPrefillRuns() {
   return runs.load(std::memory_order_acquire) & bit;
 }
 
-template <bool kSwizzle, Layout kLayout>
+template <bool kSwizzle, Layout kLayout, int kStep>
 cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) {
   // A CTA per pair of tiles (slots past the last pair exit after the scan). A sequence it takes
   // has r > kPipelinedMinRows rows and ceil(r / 128) <= r / 128 + 1 pairs, so with R rows in
@@ -383,28 +420,32 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
   const int64_t long_seqs = std::min<int64_t>(p->max_num_seqs, rows / (kPipelinedMinRows + 1));
   const int64_t pair_slots = long_seqs == 0 ? 0 : rows / (2 * kRows) + long_seqs;
   if (p->few_rows_only || row_bound <= kPipelinedMinRows || pair_slots == 0 ||
-      !PipelinedPrefillRuns<kSwizzle, kLayout>())
+      !PipelinedPrefillRuns<kSwizzle, kLayout, kStep>())
     return cudaSuccess;
+  constexpr int kSmemBytes = PipeShape<kStep>::kSmemBytes;
   const cudaError_t configured =
-      ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout>>(PipeShape::kSmemBytes);
+      ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout, kStep>>(kSmemBytes);
   if (configured != cudaSuccess) return configured;
   p->pipelined = 1;
   const RaggedGrid grid{0, FastDivmod(uint32_t(p->page.num_kv_heads)),
                         FastDivmod(uint32_t(group)), FastDivmod(uint32_t(p->page.block_size))};
-  PipelinedPrefillKernel<kSwizzle, kLayout>
+  PipelinedPrefillKernel<kSwizzle, kLayout, kStep>
       <<<dim3(uint32_t(pair_slots * p->page.num_kv_heads), 1,
               uint32_t(p->stacked * p->num_splits)),
-         kPipeThreads, PipeShape::kSmemBytes, stream>>>(*p, grid);
+         kPipeThreads, kSmemBytes, stream>>>(*p, grid);
   return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p) {
-  if (p->page.head_size != kPipelinedHead) return cudaSuccess;
+  const int step = PipelinedStep();
+  if (p->page.head_size != kPipelinedHead || step == 0) return cudaSuccess;
   return WithPageOptions(p->page, [&](auto swizzle, auto layout) {
-    return LaunchPipelinedPrefillKernel<decltype(swizzle)::value, decltype(layout)::value>(
-        stream, p);
+    constexpr bool kSwizzle = decltype(swizzle)::value;
+    constexpr Layout kLayout = decltype(layout)::value;
+    return step == 128 ? LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 128>(stream, p)
+                       : LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 64>(stream, p);
   });
 }
 

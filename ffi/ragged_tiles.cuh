@@ -77,9 +77,11 @@ struct RaggedShape {
 
 // Byte offset, in one side of the K/V buffer, of the 16 bytes holding dims [8 c, 8 c + 8) of
 // position p (RaggedShape: 64-dim blocks of 128-byte rows, 128-byte swizzle).
-template <int kHead>
+// (kBlockBytes: the bytes of one 64-dim block, kKv x 128 by default; the pipelined kernel's
+// stages of more positions pass theirs.)
+template <int kHead, int kBlockBytes = RaggedShape<kHead>::kBlockBytes>
 __device__ __forceinline__ int kv_chunk(int p, int c) {
-  return (c >> 3) * RaggedShape<kHead>::kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
+  return (c >> 3) * kBlockBytes + swizzle128_offset(p, 8 * (c & 7));
 }
 
 // ------------------------------------------------------------------------------------------
@@ -201,7 +203,9 @@ __device__ __forceinline__ void copy_vector(uint8_t* stage, const StageSlot<kHea
 
 // The staged codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8
 // dims per 16-byte store; a position past end is zeros (its staged scale may be a junk row's).
-template <int kHead, bool kSwizzle>
+// `position` is the row in side_buffer (kv_chunk, blocks of kBlockBytes), the staged vector's
+// position plus a multiple of 64 (so position % 4 is still its place in its scales' row group).
+template <int kHead, bool kSwizzle, int kBlockBytes = RaggedShape<kHead>::kBlockBytes>
 __device__ __forceinline__ void convert_vector(const uint8_t* stage,
                                                const StageSlot<kHead>& slot, int side,
                                                int position, int part, bool valid,
@@ -209,7 +213,8 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
   using R = RaggedShape<kHead>;
   const int chunk0 = part * R::kThreadDims / 8;
   const auto dst = [&](int w) {
-    return reinterpret_cast<uint4*>(side_buffer + kv_chunk<kHead>(position, chunk0 + w));
+    return reinterpret_cast<uint4*>(side_buffer +
+                                    kv_chunk<kHead, kBlockBytes>(position, chunk0 + w));
   };
   if (!valid) {
 #pragma unroll

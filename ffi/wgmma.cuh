@@ -132,16 +132,16 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[32], const uint32_t (&a)[
 #endif
 }
 
-// d[64 x 128] += a[64 x 16] b[16 x 128], b MN-major.
-__device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4],
-                                                     uint64_t b) {
+// d[64 x 128] += a[64 x 16] b[16 x 128]; kTransB: b is MN-major (else K-major).
+template <int kTransB>
+__device__ __forceinline__ void wgmma_64x128(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile(
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
       "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,"
       "%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,"
       "%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, "
-      "{%64,%65,%66,%67}, %68, 1, 1, 1, 1;\n"
+      "{%64,%65,%66,%67}, %68, 1, 1, 1, %69;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
@@ -153,8 +153,14 @@ __device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint3
         "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
         "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "n"(kTransB));
 #endif
+}
+
+// d[64 x 128] += a[64 x 16] b[16 x 128], b MN-major.
+__device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4],
+                                                     uint64_t b) {
+  wgmma_64x128<1>(d, a, b);
 }
 
 }  // namespace
