@@ -43,24 +43,36 @@ constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 
 // A step of kStep positions (64, or 128: benchmarks/NOTES.md, ragged v10): the fp16 K/V stages
 // handed from the producer to the consumers hold kStep positions each, in RaggedShape's layout
-// with blocks of kStep rows; the raw ring stays RaggedShape's (64-position ring steps, kStep / 64
-// of them converted per step). Shared memory: the stages (1024-byte aligned), the raw ring, both
-// tiles' q, row data: 212.5 KB either way.
+// with blocks of kStep rows; the raw ring holds RaggedShape's 64-position ring steps, kStep / 64
+// of them converted per step. A consumer holds two stages at once (the scores of step n, P V of
+// step n - 1), so the producer runs ahead only with three or more: 4 stages of 64 positions, or
+// 3 of 128, which fit beside a raw ring of 3 slots (not RaggedShape's 4) only with both tiles'
+// q in the last stage (q is in registers before that stage is first written: an extra phase of
+// its empty barrier, kQInStage). Shared memory: the stages (1024-byte aligned), the raw ring,
+// q (64: its own), row data: 207.5 KiB (64) or 226.5 KiB (128) of the 227 KiB a CTA may have.
 template <int kStep>
 struct PipeShape {
   using R = RaggedShape<kPipelinedHead>;
   static_assert(kStep == 64 || kStep == 128, "steps of 64 or 128 positions");
   static constexpr int kRawSteps = kStep / R::kKv;     // ring steps per step
-  static constexpr int kStages = kStep == 64 ? 4 : 2;  // fp16 stages
+  static constexpr int kStages = kStep == 64 ? 4 : 3;  // fp16 stages
+  static constexpr int kRingSlots = kStep == 64 ? R::kStages : 3;
+  static constexpr bool kQInStage = kStep == 128;
   static constexpr int kSTiles = kStep / 8;            // n-tiles of S
   static constexpr int kPSteps = kStep / 16;           // k-steps of P V
   static constexpr int kBlockBytes = kStep * 128;      // one 64-dim block of one side
   static constexpr int kSideBytes = kPipelinedHead / 64 * kBlockBytes;
   static constexpr int kStageBytes = 2 * kSideBytes;
+  static constexpr int kQBytes = 2 * kRows * R::kStride * 2;
   static constexpr int kRingOffset = kStages * kStageBytes;
-  static constexpr int kQOffset = kRingOffset + R::kRingBytes;
-  static constexpr int kRowOffset = kQOffset + 2 * kRows * R::kStride * 2;
+  static constexpr int kRingBytes = kRingSlots * R::kRawStageBytes;
+  static constexpr int kQOffset =
+      kQInStage ? (kStages - 1) * kStageBytes : kRingOffset + kRingBytes;
+  static constexpr int kRowOffset = kRingOffset + kRingBytes + (kQInStage ? 0 : kQBytes);
   static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
+  static_assert(kRingSlots >= 3, "a ring step converted, one landing, one in flight");
+  static_assert(!kQInStage || kQBytes <= kStageBytes, "q fits a stage");
+  static_assert(kSmemBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
 };
 
 // Named barriers (0 is __syncthreads): stage i full (the producer arrives, the consumers wait)
@@ -151,15 +163,15 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
       const uint32_t pos = position(raw);
       uint32_t row;
       grid.block_size.divmod(pos, &row);
-      copy_vector<kHead, kSwizzle>(ring + (raw % R::kStages) * R::kRawStageBytes, staged, pv,
+      copy_vector<kHead, kSwizzle>(ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, pv,
                                    page, pos, end, row, side, 0);
     };
 #pragma unroll
-    for (int raw = 0; raw < R::kStages - 1; ++raw) {
+    for (int raw = 0; raw < P::kRingSlots - 1; ++raw) {
       if (raw < num_raw) copy_raw(raw, page_of(raw));
       copy_async_commit();
     }
-    int32_t page_ahead = page_of(R::kStages - 1);
+    int32_t page_ahead = page_of(P::kRingSlots - 1);
 #pragma unroll 1
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % P::kStages;
@@ -168,11 +180,14 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         const int raw = step * P::kRawSteps + h;
         // This ring step's bytes have landed (the barrier: every producer thread's; also every
         // producer thread is done converting the ring step before, whose slot is reused below).
-        copy_async_wait<R::kStages - 2>();
+        copy_async_wait<P::kRingSlots - 2>();
         named_sync(kProducerBarrier, kThreads);
-        if (h == 0 && step >= P::kStages) named_sync(empty_barrier(stage), kPipeThreads);
+        // The stage's last reader is done (with q in the last stage, its first writing waits
+        // for the consumers' q loads: that barrier's first phase).
+        if (h == 0 && (step >= P::kStages || (P::kQInStage && step == P::kStages - 1)))
+          named_sync(empty_barrier(stage), kPipeThreads);
         convert_vector<kHead, kSwizzle, P::kBlockBytes>(
-            ring + (raw % R::kStages) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
+            ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
             position(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
         if (h == P::kRawSteps - 1) {
           fence_proxy_async_shared();  // read by wgmma next
@@ -183,7 +198,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         // issued just before it made every step wait for its own global load (ncu, chunk 2048
         // over 32768: the fence and the arrive were 10% of the producer's stall samples, all
         // long scoreboard; ragged v9.1).
-        const int ahead = raw + R::kStages - 1;
+        const int ahead = raw + P::kRingSlots - 1;
         if (ahead < num_raw) {
           copy_raw(ahead, page_ahead);
           page_ahead = page_of(ahead + 1);
@@ -195,6 +210,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     // The stages' last hand-backs, so that no barrier is left mid-phase.
     for (int step = max(num_steps - P::kStages, 0); step < num_steps; ++step)
       named_sync(empty_barrier(step % P::kStages), kPipeThreads);
+    if (P::kQInStage && num_steps < P::kStages)  // the q phase, where no step used the stage
+      named_sync(empty_barrier(P::kStages - 1), kPipeThreads);
     return;
   }
 
@@ -231,6 +248,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   for (int k = 0; k < R::kKSteps; ++k)
     ldmatrix_x4(qf[k], my_q + (warp * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
   const WarpRows rows = warp_rows(my_end, my_scale, warp * 16, rows_here, true, lane);
+  // q is in registers: its shared memory, in the last stage, may be written (PipeShape).
+  if (P::kQInStage) named_arrive(empty_barrier(P::kStages - 1), kPipeThreads);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   float o[R::kOTiles][4];
