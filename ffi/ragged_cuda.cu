@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
   const int32_t row0 = work.tile * kRows;
   const int rows_here = min(kRows, rows_seq - row0);
   const SplitRange range = split_range(p, grid, member, work.seq, work.q_len, split);
-  const int32_t begin = range.begin, split_end = range.split_end;
+  const int32_t begin = range.begin;
   const int32_t last_end = range.row_end(grid, row0 + rows_here - 1);
   const auto q_row_of = [&](int r) {  // the row's index among the member's [T, Hq] rows
     uint32_t head;

@@ -468,12 +468,13 @@ __device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
 
 constexpr int kPipelinedHead = 128;
 constexpr int32_t kPipelinedMinRows = 32;  // more rows than this: the tiles are wgmma tiles
-// Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs).
+// Whether the pipelined kernel takes a sequence of q_len query tokens (when it runs: p.pipelined
+// is then its row threshold, >= kFewRows, so the few-row kernel's sequences are never its).
 // (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
 // the launch also checks, PipelinedPrefillRuns.)
 __device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
                                                 int32_t group) {
-  return kHasWgmma && p.pipelined && q_len * group > kPipelinedMinRows &&
+  return kHasWgmma && p.pipelined > 0 && q_len * group > p.pipelined &&
          !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
 }
 
