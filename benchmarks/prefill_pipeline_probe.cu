@@ -198,7 +198,7 @@ struct Consumer {
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kKv / 16; ++k)
-      wgmma_64x128_trans_b(oacc, a[k], swizzled_desc(v_tile + 16 * k * 128, kBlockBytes, 1024));
+      wgmma_64x128<1>(oacc, a[k], swizzled_desc(v_tile + 16 * k * 128, kBlockBytes, 1024));
     wgmma_commit_and_wait();
     wgmma_fence_operands(oacc);
   }
@@ -248,7 +248,7 @@ struct PipelinedConsumer {
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < kKv / 16; ++k)
-      wgmma_64x128_trans_b(oacc, a[k], desc_plus(v_desc, 16 * k * 128));
+      wgmma_64x128<1>(oacc, a[k], desc_plus(v_desc, 16 * k * 128));
     wgmma_commit();
   }
   // The online softmax of the scores (landed): the new max and sum, P into `a` after O's

@@ -75,7 +75,7 @@ __global__ void probe(const __half* q, const __half* k, const __half* p, const _
   wgmma_fence();
   for (int kk = 0; kk < 64; kk += 16) {  // as the kernel: positions 16 k .., MN-major
     a_fragment(p, 64, kk, a);
-    wgmma_64x128_trans_b(o, a, swizzled_desc(vs + kk * 128, v_lbo, v_sbo));
+    wgmma_64x128<1>(o, a, swizzled_desc(vs + kk * 128, v_lbo, v_sbo));
   }
   wgmma_commit_and_wait();
   store_accumulators(o, 128, o_out);

@@ -74,19 +74,11 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
-  // Block x is (slot, kv head), the kv head fastest: every head's tiles of the first sequences
-  // are launched first (in a mixed batch the first sequences' long few-row tiles then do not
-  // trail in the last wave of the grid).
-  uint32_t head;
-  const int32_t slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
-  const int32_t kv_head = int32_t(head);
-  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
-  const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
-  const int32_t group = int32_t(grid.group.divisor);
-  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
-  const int32_t ns =
-      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
-  const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
+  const RaggedCta cta = ragged_cta(p, grid);
+  const int32_t slot = cta.slot, kv_head = cta.kv_head, member = cta.member, split = cta.split;
+  const int32_t group = cta.group, ns = cta.ns, num_tokens = p.num_tokens;
+  const int32_t* const cu = cta.cu;
+  const int64_t member_rows = cta.member_rows;
 
   if (slot >= grid.tile_slots) {  // a fill slot: zeros for the tokens nobody owns
     zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head, member_rows, split,
@@ -134,21 +126,11 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     return;
   }
 
-  // q into shared memory (two threads per row); the row's end and score scale beside it.
-  {
-    const int r = threadIdx.x >> 1, half = threadIdx.x & 1;
-    const bool valid = r < rows_here;
-    const int64_t q_row = valid ? q_row_of(r) : -1;
-    const float qk_scale =
-        p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
-    const int exponent =
-        stage_q_half<kHead>(p, q_row, half, qk_scale, q_smem + r * R::kStride + half * (kHead / 2));
-    if (half == 0) {
-      row_end[r] = valid ? range.row_end(grid, row0 + r) : 0;
-      row_scale[r] = row_score_scale(qk_scale, exponent);
-      row_q[r] = valid ? int32_t(q_row - member_rows) : -1;
-    }
-  }
+  // q into shared memory; the rows' ends, score scales and q rows beside it.
+  stage_tile_q<kHead>(
+      p, grid, range, threadIdx.x, rows_here, row0,
+      p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0],
+      member_rows, q_row_of, q_smem, row_end, row_scale, row_q);
 
 
   // Warp roles: m-tile mt of the tile's rows, part kp of each step's positions.
@@ -171,25 +153,14 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 
   const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
   const uint32_t end = uint32_t(last_end);
-  const auto position = [&](int step) { return uint32_t(begin + step * R::kKv + vector); };
-  // The block-table entry of this thread's position, read a step before its copy is issued.
-  const auto page_of = [&](int step) {
-    const uint32_t pos = position(step);
-    return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
-  };
-  const auto copy_step = [&](int step, int32_t page) {
-    const uint32_t pos = position(step);
-    uint32_t row;
-    grid.block_size.divmod(pos, &row);
-    copy_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged, pv,
-                                 page, pos, end, row, side, part);
-  };
+  const TileCopies<kHead, kSwizzle, kLayout, R::kStages> copies{
+      ring, pv, grid.block_size, staged, begin, end, vector, side, part};
 #pragma unroll
   for (int step = 0; step < R::kStages - 1; ++step) {
-    if (step < num_steps) copy_step(step, page_of(step));
+    if (step < num_steps) copies.copy(step, copies.page_of(step));
     copy_async_commit();
   }
-  int32_t page_ahead = page_of(R::kStages - 1);
+  int32_t page_ahead = copies.page_of(R::kStages - 1);
 
   __syncthreads();  // q and the row data
 
@@ -220,12 +191,13 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     copy_async_wait<R::kStages - 2>();
     __syncthreads();
     convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
-                                    side, vector, part, position(step) < end, convert_dst);
+                                    side, vector, part, copies.position(step) < end,
+                                    convert_dst);
     // The stage converted a step ago is free: the copies of step + kStages - 1 go there.
     const int ahead = step + R::kStages - 1;
     if (ahead < num_steps) {
-      copy_step(ahead, page_ahead);
-      page_ahead = page_of(ahead + 1);
+      copies.copy(ahead, page_ahead);
+      page_ahead = copies.page_of(ahead + 1);
     }
     copy_async_commit();
     if constexpr (R::kWgmma) {
@@ -298,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
         for (int k = 0; k < R::kPSteps; ++k) {  // MN-major B: positions 16 k .. 16 k + 15
           const uint64_t b = desc_plus(v_desc, 16 * k * 128);
           if constexpr (kHead == 128)
-            wgmma_64x128_trans_b(acc, a[k], b);
+            wgmma_64x128<1>(acc, a[k], b);
           else
             wgmma_64x64<1>(acc, a[k], b);
         }

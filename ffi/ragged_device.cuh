@@ -39,6 +39,32 @@ struct RaggedGrid {
   FastDivmod block_size;
 };
 
+// Where a CTA of the three kernels stands: block x is (slot, kv head), the kv head fastest
+// (every head's tiles of the first sequences are launched first: in a mixed batch the first
+// sequences' long tiles then do not trail in the last wave); block z is (stacked member,
+// split). With the member's sequences: its cu_q_lens row, its sequence count (clamped to
+// [0, max_num_seqs]) and the first of its [num_tokens, num_q_heads] rows.
+struct RaggedCta {
+  int32_t slot, kv_head, member, split, group;
+  const int32_t* cu;
+  int32_t ns;
+  int64_t member_rows;
+};
+
+__device__ __forceinline__ RaggedCta ragged_cta(const RaggedProblem& p, const RaggedGrid& grid) {
+  RaggedCta c;
+  uint32_t head;
+  c.slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
+  c.kv_head = int32_t(head);
+  c.member = blockIdx.z / p.num_splits;
+  c.split = blockIdx.z % p.num_splits;
+  c.group = int32_t(grid.group.divisor);
+  c.cu = p.cu_q_lens + (p.cu_stacked ? int64_t(c.member) * (p.max_num_seqs + 1) : 0);
+  c.ns = min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? c.member : 0)), 0), p.max_num_seqs);
+  c.member_rows = int64_t(c.member) * p.num_tokens * p.num_q_heads;
+  return c;
+}
+
 // ------------------------------------------------------------------------------------------
 // Shared-memory fragment loads.
 

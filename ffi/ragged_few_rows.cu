@@ -138,18 +138,12 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   __shared__ float merge_smem[kMergeFloats<kHead, kFewRows>];
   const int lane = threadIdx.x & 31;
-  uint32_t head;
-  const int32_t b = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
-  const int32_t kv_head = int32_t(head);
-  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
-  const int32_t max_num_seqs = p.max_num_seqs;
-  const int32_t ns =
-      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
-  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
-  const int32_t group = int32_t(grid.group.divisor);
+  const RaggedCta cta = ragged_cta(p, grid);  // (slot b: sequence b)
+  const int32_t b = cta.slot, kv_head = cta.kv_head, member = cta.member, split = cta.split;
+  const int32_t group = cta.group, ns = cta.ns, max_num_seqs = p.max_num_seqs;
+  const int32_t* const cu = cta.cu;
   if (b >= max_num_seqs) {  // a fill slot (p.few_rows_only): zeros for the tokens nobody owns
-    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head,
-                                         int64_t(member) * p.num_tokens * p.num_q_heads, split,
+    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head, cta.member_rows, split,
                                          b - max_num_seqs, lane);
     return;
   }

@@ -100,16 +100,11 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 
   const int lane = threadIdx.x & 31;
   const int wg = threadIdx.x / kThreads, t = threadIdx.x % kThreads;
-  uint32_t head;
-  const int32_t slot = int32_t(grid.num_kv_heads.divmod(blockIdx.x, &head));
-  const int32_t kv_head = int32_t(head);
-  const int32_t member = blockIdx.z / p.num_splits, split = blockIdx.z % p.num_splits;
-  const int32_t num_tokens = p.num_tokens, max_num_seqs = p.max_num_seqs;
-  const int32_t group = int32_t(grid.group.divisor);
-  const int32_t* cu = p.cu_q_lens + (p.cu_stacked ? int64_t(member) * (max_num_seqs + 1) : 0);
-  const int32_t ns =
-      min(max(__ldg(p.num_seqs + (p.num_seqs_stacked ? member : 0)), 0), max_num_seqs);
-  const int64_t member_rows = int64_t(member) * num_tokens * p.num_q_heads;
+  const RaggedCta cta = ragged_cta(p, grid);
+  const int32_t slot = cta.slot, kv_head = cta.kv_head, member = cta.member, split = cta.split;
+  const int32_t group = cta.group, ns = cta.ns, num_tokens = p.num_tokens;
+  const int32_t* const cu = cta.cu;
+  const int64_t member_rows = cta.member_rows;
 
   // The CTA's pair of tiles: pair k from a sequence's end holds its tiles T - 1 - 2k (consumer
   // 0) and T - 2 - 2k (consumer 1; none for the first tile of an odd count).
@@ -154,24 +149,14 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     const int side = t / R::kKv, vector = t % R::kKv;
     const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
     const int num_raw = num_steps * P::kRawSteps;
-    const auto position = [&](int raw) { return uint32_t(begin + raw * R::kKv + vector); };
-    const auto page_of = [&](int raw) {
-      const uint32_t pos = position(raw);
-      return (pos & ~3u) < end ? __ldg(pv.table + grid.block_size.div(pos)) : 0;
-    };
-    const auto copy_raw = [&](int raw, int32_t page) {
-      const uint32_t pos = position(raw);
-      uint32_t row;
-      grid.block_size.divmod(pos, &row);
-      copy_vector<kHead, kSwizzle>(ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, pv,
-                                   page, pos, end, row, side, 0);
-    };
+    const TileCopies<kHead, kSwizzle, kLayout, P::kRingSlots> copies{
+        ring, pv, grid.block_size, staged, begin, end, vector, side, 0};
 #pragma unroll
     for (int raw = 0; raw < P::kRingSlots - 1; ++raw) {
-      if (raw < num_raw) copy_raw(raw, page_of(raw));
+      if (raw < num_raw) copies.copy(raw, copies.page_of(raw));
       copy_async_commit();
     }
-    int32_t page_ahead = page_of(P::kRingSlots - 1);
+    int32_t page_ahead = copies.page_of(P::kRingSlots - 1);
 #pragma unroll 1
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % P::kStages;
@@ -188,7 +173,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
           named_sync(empty_barrier(stage), kPipeThreads);
         convert_vector<kHead, kSwizzle, P::kBlockBytes>(
             ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
-            position(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
+            copies.position(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
         if (h == P::kRawSteps - 1) {
           fence_proxy_async_shared();  // read by wgmma next
           named_arrive(full_barrier(stage), kPipeThreads);
@@ -200,8 +185,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         // long scoreboard; ragged v9.1).
         const int ahead = raw + P::kRingSlots - 1;
         if (ahead < num_raw) {
-          copy_raw(ahead, page_ahead);
-          page_ahead = page_of(ahead + 1);
+          copies.copy(ahead, page_ahead);
+          page_ahead = copies.page_of(ahead + 1);
         }
         copy_async_commit();
       }
@@ -227,19 +212,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   int32_t* const my_end = row_end + c * kRows;
   float* const my_scale = row_scale + c * kRows;
   int32_t* const my_q_row = row_q + c * kRows;
-  {  // q into shared memory (stage_q_half), the rows' ends and score scales beside it
-    const int r = t >> 1, half = t & 1;
-    const bool valid = r < rows_here;
-    const int64_t q_row = valid ? q_row_of(c, r) : -1;
-    const int exponent =
-        stage_q_half<kHead>(p, q_row, half, qk_scale, my_q + r * R::kStride + half * (kHead / 2));
-    if (half == 0) {
-      const int32_t row = (first_tile - c) * kRows + r;
-      my_end[r] = valid ? range.row_end(grid, row) : 0;
-      my_scale[r] = row_score_scale(qk_scale, exponent);
-      my_q_row[r] = valid ? int32_t(q_row - member_rows) : -1;
-    }
-  }
+  // q into shared memory; the rows' ends, score scales and q rows beside it.
+  stage_tile_q<kHead>(p, grid, range, t, rows_here, (first_tile - c) * kRows, qk_scale,
+                      member_rows, [&](int r) { return q_row_of(c, r); }, my_q, my_end,
+                      my_scale, my_q_row);
 
   named_sync(consumer_barrier(c), kThreads);
 
@@ -287,7 +263,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < P::kPSteps; ++k)
-      wgmma_64x128_trans_b(acc, a[k], desc_plus(v_desc, stage * P::kStageBytes + 16 * k * 128));
+      wgmma_64x128<1>(acc, a[k], desc_plus(v_desc, stage * P::kStageBytes + 16 * k * 128));
     wgmma_commit();
   };
   // The online softmax of step `step`'s scores (landed), fenced on both sides by empty asms that

@@ -201,6 +201,36 @@ __device__ __forceinline__ void copy_vector(uint8_t* stage, const StageSlot<kHea
   copy_async<R::kScaleBytes>(stage + slot.scale_offset + slot.scale_part, scales, scale_valid);
 }
 
+// One thread's page copies of a tile: at ring step `step` (kKv positions from `begin`), part
+// `part` of the head vector of position `vector` of the step and side `side`, into ring slot
+// step % kSlots; its block-table entry read a step ahead (page_of, then copy), the entries past
+// `end` never read.
+template <int kHead, bool kSwizzle, Layout kLayout, int kSlots>
+struct TileCopies {
+  uint8_t* ring;
+  PageView<kLayout> pv;
+  FastDivmod block_size;
+  StageSlot<kHead> staged;
+  int32_t begin;
+  uint32_t end;
+  int vector, side, part;
+
+  __device__ __forceinline__ uint32_t position(int step) const {
+    return uint32_t(begin + step * RaggedShape<kHead>::kKv + vector);
+  }
+  __device__ __forceinline__ int32_t page_of(int step) const {
+    const uint32_t pos = position(step);
+    return (pos & ~3u) < end ? __ldg(pv.table + block_size.div(pos)) : 0;
+  }
+  __device__ __forceinline__ void copy(int step, int32_t page) const {
+    const uint32_t pos = position(step);
+    uint32_t row;
+    block_size.divmod(pos, &row);
+    copy_vector<kHead, kSwizzle>(ring + (step % kSlots) * RaggedShape<kHead>::kRawStageBytes,
+                                 staged, pv, page, pos, end, row, side, part);
+  }
+};
+
 // The staged codes times their block scales as fp16 (value * 2^-7 / global scale, exact), 8
 // dims per 16-byte store; a position past end is zeros (its staged scale may be a junk row's).
 // `position` is the row in side_buffer (kv_chunk, blocks of kBlockBytes), the staged vector's
@@ -331,6 +361,33 @@ __device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_ro
   return exponent;
 }
 
+// The row scale of the scores (log2 units) for a row of exponent `exponent`.
+__device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
+  return ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
+}
+
+// A tile's q into shared memory, two threads a row (thread t: half t % 2 of row t / 2, rows
+// past rows_here zeros), and beside it each row's end in this split, score scale and q row
+// among the member's rows (-1: none). Row r is row row0 + r of the sequence, q row q_row_of(r).
+template <int kHead, typename QRowOf>
+__device__ __forceinline__ void stage_tile_q(const RaggedProblem& p, const RaggedGrid& grid,
+                                             const SplitRange& range, int t, int rows_here,
+                                             int32_t row0, float qk_scale, int64_t member_rows,
+                                             QRowOf&& q_row_of, uint16_t* q_smem,
+                                             int32_t* row_end, float* row_scale, int32_t* row_q) {
+  using R = RaggedShape<kHead>;
+  const int r = t >> 1, half = t & 1;
+  const bool valid = r < rows_here;
+  const int64_t q_row = valid ? q_row_of(r) : -1;
+  const int exponent =
+      stage_q_half<kHead>(p, q_row, half, qk_scale, q_smem + r * R::kStride + half * (kHead / 2));
+  if (half == 0) {
+    row_end[r] = valid ? range.row_end(grid, row0 + r) : 0;
+    row_scale[r] = row_score_scale(qk_scale, exponent);
+    row_q[r] = valid ? int32_t(q_row - member_rows) : -1;
+  }
+}
+
 // A warp's two rows in a tile kernel's loop (rows g and g + 8 of its 16: the MMA's C layout, a
 // row's 4 lanes share it): where each row's positions end, its score scale (log2 units) and the
 // smallest end among the warp's rows (steps below it need no mask). From the tile's row data in
@@ -455,11 +512,6 @@ __device__ __forceinline__ void pack_p(const float (&s)[2 * kPSteps][4],
     a[k][2] = pack_f16x2(s[2 * k + 1][0], s[2 * k + 1][1]);
     a[k][3] = pack_f16x2(s[2 * k + 1][2], s[2 * k + 1][3]);
   }
-}
-
-// The row scale of the scores (log2 units) for a row of exponent `exponent`.
-__device__ __forceinline__ float row_score_scale(float qk_scale, int exponent) {
-  return ldexpf(fabsf(qk_scale) * kLog2e, 7 - exponent);
 }
 
 // ------------------------------------------------------------------------------------------

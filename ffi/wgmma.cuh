@@ -157,11 +157,5 @@ __device__ __forceinline__ void wgmma_64x128(float (&d)[64], const uint32_t (&a)
 #endif
 }
 
-// d[64 x 128] += a[64 x 16] b[16 x 128], b MN-major.
-__device__ __forceinline__ void wgmma_64x128_trans_b(float (&d)[64], const uint32_t (&a)[4],
-                                                     uint64_t b) {
-  wgmma_64x128<1>(d, a, b);
-}
-
 }  // namespace
 }  // namespace nvfp4
