@@ -663,14 +663,15 @@ def run_cache(cache, params, args, ceiling_bps, limit, key):
         f"({paged_decode._fmt_bytes(plan.cache_bytes)}) in {fill_s:.1f} s; step compiled in "
         f"{compile_s:.1f} s")
     hlo = compiled.as_text()
-    module_name = re.match(r"HloModule\s+([\w.\-]+)", hlo).group(1)
     state = (caches, tokens, lens0)
     state, logits = compiled(params, tables, scales, state)
     logits = np.asarray(logits)
     donated = all(x.is_deleted() for x in jax.tree.leaves(caches))
 
+    executable = compiled  # what advance runs: the timed step, then the profiled one
+
     def advance(s):
-        return compiled(params, tables, scales, s)[0]
+        return executable(params, tables, scales, s)[0]
 
     seconds, state = store_bench._async_time(advance, state, args.n1, args.n2, args.repeats)
 
@@ -683,19 +684,15 @@ def run_cache(cache, params, args, ceiling_bps, limit, key):
     profiled_hlo = hlo
     if jax.devices()[0].platform == "gpu":
         try:
-            profiled = compile_step(step, params, tables, scales, cache, tokens, lens0,
-                                    PROFILE_COMPILER_OPTIONS)
+            executable = compile_step(step, params, tables, scales, cache, tokens, lens0,
+                                      PROFILE_COMPILER_OPTIONS)
         except Exception as e:  # noqa: BLE001  (an XLA without the option: profile the step)
             log(f"    profiling the timed step (no executable without command buffers: "
                 f"{ab._first_line(e)})")
         else:
-            profiled_hlo = profiled.as_text()
-
-            def advance(s):  # noqa: F811  (the profiled executable from here on)
-                return profiled(params, tables, scales, s)[0]
-
-    split, timelines = profile_steps(run_steps, args.profile_steps,
-                                     re.match(r"HloModule\s+([\w.\-]+)", profiled_hlo).group(1),
+            profiled_hlo = executable.as_text()
+    module_name = re.match(r"HloModule\s+([\w.\-]+)", profiled_hlo).group(1)
+    split, timelines = profile_steps(run_steps, args.profile_steps, module_name,
                                      scopes_of(profiled_hlo))
     final_lens = np.asarray(state[2])
     steps_run = int(final_lens[0]) - plan.context
