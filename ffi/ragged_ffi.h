@@ -86,9 +86,8 @@ struct RaggedProblem {
   // too) and zero the unowned tokens, launched alone (no ragged or decode kernel).
   int32_t max_q_len;
   int32_t few_rows_only;
-  // Set by the launch, not the caller: 0, or the pipelined prefill kernel runs and takes the
-  // sequences of more than this many query rows per kv head (kPipelinedMinRows, or 16 with its
-  // developers' switch: ragged_pipelined.cu); the ragged kernel skips them.
+  // Set by the launch, not the caller: 1 when the pipelined prefill kernel runs and takes the
+  // sequences of more than kPipelinedMinRows query rows per kv head; the ragged kernel skips them.
   int32_t pipelined = 0;
 };
 

@@ -373,18 +373,6 @@ int PipelinedStep() {
   return step;
 }
 
-// The row threshold (RaggedProblem::pipelined): kPipelinedMinRows, or kFewRows with
-// JAX_NVFP4_RAGGED_PIPELINED_MIN_ROWS=16 in the environment (read once; a developers' switch
-// until measured: the sequences of 17 to 32 rows per kv head, speculative decoding's 32 x 8,
-// then go to this kernel instead of the ragged kernel's mma.sync tiles).
-int32_t PipelinedMinRows() {
-  static const int32_t rows = [] {
-    const char* value = std::getenv("JAX_NVFP4_RAGGED_PIPELINED_MIN_ROWS");
-    return value != nullptr && std::string_view(value) == "16" ? kFewRows : kPipelinedMinRows;
-  }();
-  return rows;
-}
-
 // Whether the current GPU runs the pipelined prefill kernel in steps of kStep: an sm_90 device,
 // and the build's code for it the sm_90a kernel, whose register hand-over (setmaxnreg) needs
 // exactly the launch's 168 registers a thread: asked once per device (an attribute query,
@@ -418,23 +406,22 @@ bool PipelinedPrefillRuns() {
 template <bool kSwizzle, Layout kLayout, int kStep>
 cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) {
   // A CTA per pair of tiles (slots past the last pair exit after the scan). A sequence it takes
-  // has r > min_rows rows and ceil(r / 128) <= r / 128 + 1 pairs, so with R rows in all and at
-  // most min(S, R / (min_rows + 1)) such sequences, R / 128 plus that count bounds the pairs
-  // (and with a max_q_len bound below them, nothing is launched).
-  const int32_t min_rows = PipelinedMinRows();
+  // has r > kPipelinedMinRows rows and ceil(r / 128) <= r / 128 + 1 pairs, so with R rows in all
+  // and at most min(S, R / (kPipelinedMinRows + 1)) such sequences, R / 128 plus that count
+  // bounds the pairs (and with a max_q_len bound below them, nothing is launched).
   const int32_t group = p->num_q_heads / int32_t(p->page.num_kv_heads);
   const int64_t rows = int64_t(p->num_tokens) * group;
   const int64_t row_bound = p->max_q_len > 0 ? int64_t(p->max_q_len) * group : rows;
-  const int64_t long_seqs = std::min<int64_t>(p->max_num_seqs, rows / (min_rows + 1));
+  const int64_t long_seqs = std::min<int64_t>(p->max_num_seqs, rows / (kPipelinedMinRows + 1));
   const int64_t pair_slots = long_seqs == 0 ? 0 : rows / (2 * kRows) + long_seqs;
-  if (p->few_rows_only || row_bound <= min_rows || pair_slots == 0 ||
+  if (p->few_rows_only || row_bound <= kPipelinedMinRows || pair_slots == 0 ||
       !PipelinedPrefillRuns<kSwizzle, kLayout, kStep>())
     return cudaSuccess;
   constexpr int kSmemBytes = PipeShape<kStep>::kSmemBytes;
   const cudaError_t configured =
       ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout, kStep>>(kSmemBytes);
   if (configured != cudaSuccess) return configured;
-  p->pipelined = min_rows;
+  p->pipelined = 1;
   const RaggedGrid grid{0, FastDivmod(uint32_t(p->page.num_kv_heads)),
                         FastDivmod(uint32_t(group)), FastDivmod(uint32_t(p->page.block_size))};
   PipelinedPrefillKernel<kSwizzle, kLayout, kStep>
