@@ -851,8 +851,13 @@ def plot(result, path):
     for key in CACHES:
         rs = sorted((r for r in result["rows"] if r["cache"] == key), key=lambda r: r["context"])
         if rs:
+            # The bf16 paged reader is picked per context (its best k_splits): one line, its
+            # choices named together.
+            splits = sorted({m.group(1) for r in rs
+                             for m in [re.search(r"k_splits=(\d+)", r["label"])] if m}, key=int)
+            label = re.sub(r"k_splits=\d+", "k_splits=" + " or ".join(splits), rs[-1]["label"])
             ax.plot([r["context"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o",
-                    label=rs[-1]["label"])
+                    label=label)
     cfg = result["config"]
     ax.set(xscale="log", yscale="log", xlabel="context (tokens per sequence)",
            ylabel="decode tokens/s",
@@ -861,7 +866,7 @@ def plot(result, path):
     ax.set_xticks(contexts, [str(c) for c in contexts])
     ax.set_xticks([], minor=True)  # the log axis's own labels would overprint the contexts
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
