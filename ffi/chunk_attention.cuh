@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_device.cuh"
 #include "page_chunks.cuh"
@@ -302,6 +303,18 @@ __device__ __forceinline__ TilePages<Shape<kHead>::kTiles> first_chunk_pages(
                                            end);
 }
 
+// The lanes' shares of l -> each column's (the end of a chunk loop).
+template <int kHead, int kNT>
+__device__ __forceinline__ void column_sums(WarpState<kHead, kNT>& st) {
+#pragma unroll
+  for (int t = 0; t < kNT; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int delta = 4; delta < 32; delta *= 2)
+        st.l[t][h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[t][h], delta);
+}
+
 // The chunk loop of one warp over positions [begin, end): warp w takes chunks w, w + 4, ...
 // One set of chunk registers: the next chunk's K is loaded as soon as this chunk's scores are
 // computed, its V once this chunk's values are accumulated; block-table entries are read a
@@ -343,14 +356,87 @@ __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint3
     if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
     pages = later;
   }
-  // The lane's share of l -> the column's.
-#pragma unroll
-  for (int t = 0; t < kNT; ++t)
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int delta = 4; delta < 32; delta *= 2)
-        st.l[t][h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[t][h], delta);
+  column_sums(st);
+}
+
+// Decode v8 (NVFP4_DECODE_STAGED): the same loop with the chunks' bytes staged through shared
+// memory, kSlots of a warp's chunks in flight where attend_chunks has one. Each lane
+// copies its own fields (cp.async, StagedFetch) into its warp's slot of the chunk, waits for
+// its own copies (cp.async.wait_group) and reads them back (read_staged_chunk): no barrier,
+// and no registers held by the loads in flight, so the depth costs shared memory only
+// (StagedSlot; `ring` is the CTA's kStagedBytes). A slot's K fields are copied over once this
+// chunk's scores are computed, its V fields once its values are accumulated: both after the
+// registers read from them were used. Every copy is waited for before it returns.
+template <int kHead, bool kSwizzle, int kSlots>
+constexpr int kStagedBytes = kChunkWarps * kSlots * StagedSlot<kHead, kSwizzle>::kBytes;
+
+template <int kSlots, int kHead, bool kSwizzle, Layout kLayout, int kNT, typename QFragments>
+__device__ __forceinline__ void attend_chunks_staged(
+    const PageView<kLayout>& pv, uint32_t begin, uint32_t end, uint32_t mask_from,
+    const uint32_t (&limit)[kNT][2], const QFragments& qf, const float (&score_scale)[kNT][2],
+    int warp, int lane, const TilePages<Shape<kHead>::kTiles>& first, uint8_t* ring,
+    WarpState<kHead, kNT>& st) {
+  using S = Shape<kHead>;
+  using Slot = StagedSlot<kHead, kSwizzle>;
+  static_assert(kSlots >= 2, "a chunk read while the next lands");
+  constexpr int kAhead = kSlots;
+  const int num_chunks = int((end - begin + S::kChunk - 1) / S::kChunk);
+  // This warp's k-th chunk is chunk warp + kChunkWarps k.
+  const int my_chunks = num_chunks > warp ? (num_chunks - warp + kChunkWarps - 1) / kChunkWarps : 0;
+  const auto chunk_base = [&](int k) {
+    return begin + uint32_t((warp + k * kChunkWarps) * S::kChunk);
+  };
+  uint8_t* const my_ring = ring + warp * kSlots * Slot::kBytes;
+  const auto stage = [&](int k, const TilePages<S::kTiles>& pages, auto part) {
+    const StagedFetch<kHead, kSwizzle> f{my_ring + (k % kSlots) * Slot::kBytes, pv.cache,
+                                         lane};
+    fetch_chunk<decltype(part)::value, kHead, kSwizzle>(f, pv, pages, chunk_base(k), end, lane);
+  };
+  using K = std::integral_constant<Part, Part::kK>;
+  using V = std::integral_constant<Part, Part::kV>;
+  // The first kAhead chunks' bytes, one copy group per chunk (empty past the last: the wait
+  // counts groups), each chunk's block-table entries read a chunk before its copies (a loop:
+  // each copy of fetch_chunk is large).
+  TilePages<S::kTiles> ahead = first, after = fetch_pages<S::kTiles>(pv, chunk_base(1), end);
+#pragma unroll 1
+  for (int k = 0; k < kAhead; ++k) {
+    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(k + 2), end);
+    if (k < my_chunks) {
+      stage(k, ahead, K{});
+      stage(k, ahead, V{});
+    }
+    copy_async_commit();
+    ahead = after;
+    after = later;
+  }
+  // Now `ahead` is chunk kAhead's, staged in step 0.
+  Chunk<kHead> c;
+#pragma unroll 1
+  for (int k = 0; k < my_chunks; ++k) {
+    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(k + kAhead + 1), end);
+    const uint32_t base = chunk_base(k);
+    const uint8_t* const slot = my_ring + (k % kSlots) * Slot::kBytes;
+    const bool refill = k + kAhead < my_chunks;
+    copy_async_wait<kAhead - 1>();  // this lane's copies of chunk k have landed
+    read_staged_chunk<Part::kK, kHead, kSwizzle>(c, slot, base, end, lane);
+    float s[S::kTiles][kNT][4];
+    chunk_scores<kHead, kNT>(c, qf, score_scale, s);
+    read_staged_chunk<Part::kV, kHead, kSwizzle>(c, slot, base, end, lane);
+    // The slot's reads stay before its copies below (the compiler), and have returned before
+    // them (the hardware: the K reads' registers were consumed by the scores, the V reads' are
+    // by the values before that part's copies; a lane's cp.async writes land a memory round
+    // trip after it issues them).
+    asm volatile("" ::: "memory");
+    if (refill) stage(k + kAhead, ahead, K{});
+    uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
+    chunk_softmax<kHead, kNT>(s, st, base, base + S::kChunk > mask_from, limit, lane, p0, p1);
+    chunk_accumulate<kHead, kNT>(c, st, p0, p1);
+    if (refill) stage(k + kAhead, ahead, V{});
+    copy_async_commit();
+    ahead = later;
+  }
+  copy_async_wait<0>();
+  column_sums(st);
 }
 
 // Shared memory (floats) the warps' merge takes for kRows rows.

@@ -54,6 +54,22 @@ constexpr int kThreads = kChunkWarps * 32;
 #define NVFP4_DECODE_MIN_CTAS 3
 #endif
 constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA's N
+// Decode v8: the chunks' bytes staged through shared memory, NVFP4_DECODE_STAGED chunks ahead
+// per warp (attend_chunks_staged), for the load latency that one chunk in flight per warp
+// leaves exposed (benchmarks/NOTES.md, decode at 418 x 4096); the loads then hold no
+// registers, and at 4 CTAs a SM (NVFP4_DECODE_MIN_CTAS=4: 128 registers) it does not spill.
+// 0 (the default until it has been measured on a GPU): the loads into registers. E.g.
+// -DNVFP4_DECODE_STAGED=3, or =2 with -DNVFP4_DECODE_MIN_CTAS=4, in CMAKE_CUDA_FLAGS.
+#ifndef NVFP4_DECODE_STAGED
+#define NVFP4_DECODE_STAGED 0
+#endif
+constexpr int kStagedSlots = NVFP4_DECODE_STAGED;
+constexpr bool kStaged = kStagedSlots > 0;
+// Dynamic shared memory a CTA takes: the staged slots, which the warps' merge then reuses.
+template <int kHead, bool kSwizzle>
+constexpr int kDynamicSmem = kStaged ? kStagedBytes<kHead, kSwizzle, kStagedSlots> : 0;
+static_assert(kDynamicSmem<256, false> + 4 * (kHeadsPerCta * 256 + kHeadsPerCta) <= 227 * 1024,
+              "a CTA's shared memory (the slots, the cluster merge's split results)");
 
 
 // CTAs per SM the registers are budgeted for (warps to hide latency against registers per
@@ -217,11 +233,23 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     WarpState<kHead, 1> st;
     init_state(st);
     const uint32_t limit[1][2] = {{uint32_t(end), uint32_t(end)}};
-    attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end),
-                                               uint32_t(end), limit, qf, score_scale, warp,
-                                               lane, first_pages, st);
-
-    __shared__ float merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
+    float* merge_smem;
+    if constexpr (kStaged) {
+      extern __shared__ __align__(16) uint8_t staged_slots[];
+      static_assert(kDynamicSmem<kHead, kSwizzle> >= 4 * kMergeFloats<kHead, kHeadsPerCta>,
+                    "the merge reuses the slots");
+      attend_chunks_staged<kStagedSlots, kHead, kSwizzle, kLayout, 1>(
+          pv, uint32_t(begin), uint32_t(end), uint32_t(end), limit, qf, score_scale, warp, lane,
+          first_pages, staged_slots, st);
+      __syncthreads();  // every warp is done with its slots
+      merge_smem = reinterpret_cast<float*>(staged_slots);
+    } else {
+      attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end),
+                                                 uint32_t(end), limit, qf, score_scale, warp,
+                                                 lane, first_pages, st);
+      __shared__ float own_merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
+      merge_smem = own_merge_smem;
+    }
     merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,
                           [&](int h, int d, float value, float lse2) {
                             if (p.cluster_merge) {
@@ -295,8 +323,23 @@ cudaError_t AllowLargeClusters() {
   });
 }
 
+// The kernel's dynamic shared memory where it takes some (staged), once per device.
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t ConfigureDecode() {
+  if constexpr (kStaged)
+    return ConfigureSharedMemory<DecodeKernel<kHead, kSwizzle, kLayout>>(
+        kDynamicSmem<kHead, kSwizzle>);
+  return cudaSuccess;
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
+  const cudaError_t configured = ConfigureDecode<kHead, kSwizzle, kLayout>();
+  if (configured != cudaSuccess) {
+    cudaGetLastError();
+    return configured;
+  }
+  constexpr int kSmem = kDynamicSmem<kHead, kSwizzle>;
   const int head_tiles = HeadTiles(p);
   const int64_t units = CtasPerSplit(p);
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
@@ -314,6 +357,7 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
     cudaLaunchConfig_t config = {};
     config.gridDim = blocks;
     config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmem;
     config.stream = stream;
     cudaLaunchAttribute cluster;
     cluster.id = cudaLaunchAttributeClusterDimension;
@@ -327,7 +371,7 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
     if (launched != cudaSuccess) cudaGetLastError();  // likewise
     return launched;
   }
-  DecodeKernel<kHead, kSwizzle, kLayout><<<blocks, kThreads, 0, stream>>>(p, grid);
+  DecodeKernel<kHead, kSwizzle, kLayout><<<blocks, kThreads, kSmem, stream>>>(p, grid);
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess || p.num_splits == 1) return error;
   MergeKernel<kHead><<<uint32_t(int64_t(p.stacked) * p.batch * p.num_q_heads), kHead, 0,
@@ -357,9 +401,14 @@ int AskClusterMergeSplits(int device) {
   if (attributes.ptxVersion < 90) return 0;
   // Without the non-portable size the GPU still places clusters of up to 8.
   if (AllowLargeClusters<kHead, true, Layout::kHND>() != cudaSuccess) cudaGetLastError();
+  if (ConfigureDecode<kHead, true, Layout::kHND>() != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1, uint32_t(kMaxClusterSplits));
   config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = kDynamicSmem<kHead, true>;
   int size = 0;
   if (cudaOccupancyMaxPotentialClusterSize(&size, DecodeKernel<kHead, true, Layout::kHND>,
                                            &config) != cudaSuccess) {
@@ -416,7 +465,12 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
 
 template <int kHead>
 int ResidentCtas() {
-  return ResidentCtasPerSm(DecodeKernel<kHead, true, Layout::kHND>, kThreads, 0);
+  if (ConfigureDecode<kHead, true, Layout::kHND>() != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return ResidentCtasPerSm(DecodeKernel<kHead, true, Layout::kHND>, kThreads,
+                           kDynamicSmem<kHead, true>);
 }
 
 }  // namespace

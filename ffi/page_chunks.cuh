@@ -68,32 +68,192 @@ __device__ __forceinline__ TilePages<kTiles> fetch_pages(const PageView<kLayout>
   return t;
 }
 
-// The V scale bytes of positions (row, row + 1) of one scale block s: swizzled, the pair is
-// adjacent (row 4(row/4) + s/G, column (s%G)*4 + row%4, row even); linear, two bytes.
-template <int kHead, bool kSwizzle, Layout kLayout>
-__device__ __forceinline__ uint32_t load_v_scales(const PageView<kLayout>& pv,
-                                                  const uint8_t* side, uint32_t row, int s,
-                                                  bool second) {
-  constexpr int kScales = Shape<kHead>::kScales;
-  const uint8_t* region = side + pv.side_data;
-  if constexpr (kSwizzle) {
-    const uint32_t bytes = load_small<2>(region + pv.template swizzled_scale_offset<kScales>(row, s));
-    return second ? bytes : (bytes & 0xFFu);
-  } else {
-    uint32_t bytes = load_small<1>(region + pv.template linear_scale_offset<kScales>(row, s));
-    if (second)
-      bytes |= load_small<1>(region + pv.template linear_scale_offset<kScales>(row + 1, s)) << 8;
-    return bytes;
+// ------------------------------------------------------------------------------------------
+// Where a chunk's bytes go. The loaders below name each field of a lane's share of a chunk
+// and where it is in the pages; a fetch policy puts it somewhere:
+//   RegisterFetch: straight into a Chunk's registers;
+//   StagedFetch (decode v8, NVFP4_DECODE_STAGED): cp.async copies into the lane's fields of a
+//   shared-memory slot, read into a Chunk chunks later (read_staged_chunk).
+// A field that is not `valid` (its position at or past `end`) is zero, never read. Scale
+// fields: K's kKScaleBytes bytes at `at`; V's bytes of positions (p, p + 1) of one block,
+// swizzled the two adjacent bytes at `at`, linear one byte at `at` and one at `at_next`; the
+// second only where `second` (p + 1 < end).
+
+template <int kHead>
+struct RegisterFetch {
+  using S = Shape<kHead>;
+  Chunk<kHead>& c;
+
+  __device__ __forceinline__ void k_code(int i, const uint8_t* src, bool valid) const {
+    if (valid) {
+      load_words<kHead / 8>(src, c.k[i]);
+    } else {
+#pragma unroll
+      for (int w = 0; w < S::kKWords; ++w) c.k[i][w] = 0;
+    }
+  }
+  __device__ __forceinline__ void k_scale(int i, const uint8_t* at, bool valid) const {
+    c.k_scale[i] = valid ? load_small<S::kKScaleBytes>(at) : 0u;
+  }
+  __device__ __forceinline__ void v_code(int i, int t, const uint8_t* src, bool valid) const {
+    if (valid) {
+      load_words<kHead / 16>(src, c.v[i][t]);
+    } else {
+#pragma unroll
+      for (int w = 0; w < S::kVWords; ++w) c.v[i][t][w] = 0;
+    }
+  }
+  template <bool kSwizzle>
+  __device__ __forceinline__ void v_scale(int i, int b, const uint8_t* at, const uint8_t* at_next,
+                                          bool valid, bool second) const {
+    uint32_t bytes = 0;
+    if (valid) {
+      if constexpr (kSwizzle) {
+        bytes = load_small<2>(at);
+        if (!second) bytes &= 0xFFu;
+      } else {
+        bytes = load_small<1>(at);
+        if (second) bytes |= load_small<1>(at_next) << 8;
+      }
+    }
+    c.v_scale[i][b] = bytes;
+  }
+};
+
+// A warp's slot of staged chunk bytes: field after field, each [lane][bytes] of at most 16
+// bytes a lane (head 256's 32 bytes of K codes as two fields), so that a field's 4-, 8- or
+// 16-byte accesses from 32 lanes are conflict-free. Scale fields hold the aligned 4-byte word
+// around the lane's bytes (cp.async copies no fewer); V scales two words a pair, one per
+// position, used by linear scales only: one size for both layouts, which the occupancy
+// queries assume (decode_cuda.cu asks about one instance per head size).
+template <int kHead, bool kSwizzle>
+struct StagedSlot {
+  using S = Shape<kHead>;
+  static constexpr int kFields = 2 * S::kTiles;  // i of Chunk
+  static constexpr int kKCode = S::kKWords * 4, kVCode = S::kVWords * 4;  // bytes a lane
+  static constexpr int kKPiece = kKCode < 16 ? kKCode : 16, kKPieces = kKCode / kKPiece;
+  static constexpr int kVScaleWords = 2;
+  static_assert(kVCode <= 16, "one V code field a lane");
+  static constexpr int kKCodeAt = 0;
+  static constexpr int kKScaleAt = kKCodeAt + kFields * 32 * kKCode;
+  static constexpr int kVCodeAt = kKScaleAt + kFields * 32 * 4;
+  static constexpr int kVScaleAt = kVCodeAt + kFields * 2 * 32 * kVCode;
+  static constexpr int kBytes = kVScaleAt + kFields * S::kVBlocks * kVScaleWords * 32 * 4;
+};
+
+__device__ __forceinline__ const uint8_t* aligned_word(const uint8_t* at) {
+  return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(at) & ~uintptr_t(3));
+}
+
+template <int kHead, bool kSwizzle>
+struct StagedFetch {
+  using Slot = StagedSlot<kHead, kSwizzle>;
+  uint8_t* slot;
+  const uint8_t* none;  // a readable address for fields that are not valid (nothing is read)
+  int lane;
+
+  __device__ __forceinline__ void k_code(int i, const uint8_t* src, bool valid) const {
+#pragma unroll
+    for (int h = 0; h < Slot::kKPieces; ++h)
+      copy_async<Slot::kKPiece>(
+          slot + Slot::kKCodeAt + ((i * Slot::kKPieces + h) * 32 + lane) * Slot::kKPiece,
+          valid ? src + h * Slot::kKPiece : none, valid);
+  }
+  __device__ __forceinline__ void k_scale(int i, const uint8_t* at, bool valid) const {
+    copy_async<4>(slot + Slot::kKScaleAt + (i * 32 + lane) * 4, valid ? aligned_word(at) : none,
+                  valid);
+  }
+  __device__ __forceinline__ void v_code(int i, int t, const uint8_t* src, bool valid) const {
+    copy_async<Slot::kVCode>(slot + Slot::kVCodeAt + ((i * 2 + t) * 32 + lane) * Slot::kVCode,
+                             valid ? src : none, valid);
+  }
+  template <bool kSwizzleToo>
+  __device__ __forceinline__ void v_scale(int i, int b, const uint8_t* at, const uint8_t* at_next,
+                                          bool valid, bool second) const {
+    static_assert(kSwizzleToo == kSwizzle, "the slot's layout");
+    uint8_t* const field = slot + Slot::kVScaleAt +
+                           ((i * Shape<kHead>::kVBlocks + b) * Slot::kVScaleWords * 32 + lane) * 4;
+    copy_async<4>(field, valid ? aligned_word(at) : none, valid);
+    if constexpr (!kSwizzle)
+      copy_async<4>(field + 32 * 4, valid && second ? aligned_word(at_next) : none,
+                    valid && second);
+  }
+};
+
+// A lane's fields of a staged chunk (StagedSlot) into c: the Part's codes and scales; `base`
+// and `end` as when the chunk was staged (which bytes of the scale words are the lane's, and
+// whether the second position of a V pair counts).
+template <Part kPart, int kHead, bool kSwizzle>
+__device__ __forceinline__ void read_staged_chunk(Chunk<kHead>& c, const uint8_t* slot,
+                                                  uint32_t base, uint32_t end, int lane) {
+  using S = Shape<kHead>;
+  using Slot = StagedSlot<kHead, kSwizzle>;
+  const int g = lane >> 2, qd = lane & 3;
+  const auto word = [&](int at) { return *reinterpret_cast<const uint32_t*>(slot + at); };
+#pragma unroll
+  for (int i = 0; i < Slot::kFields; ++i) {
+    if constexpr (kPart == Part::kK) {
+#pragma unroll
+      for (int h = 0; h < Slot::kKPieces; ++h) {
+        const uint8_t* at =
+            slot + Slot::kKCodeAt + ((i * Slot::kKPieces + h) * 32 + lane) * Slot::kKPiece;
+        uint32_t* w = c.k[i] + h * (Slot::kKPiece / 4);
+        if constexpr (Slot::kKPiece == 16) {
+          const uint4 v = *reinterpret_cast<const uint4*>(at);
+          w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(at);
+          w[0] = v.x, w[1] = v.y;
+        }
+      }
+      // The lane's scale bytes start at byte (qd * kKScaleBytes) % 4 of their word.
+      const uint32_t k_word = word(Slot::kKScaleAt + (i * 32 + lane) * 4);
+      if constexpr (S::kKScaleBytes == 4)
+        c.k_scale[i] = k_word;
+      else
+        c.k_scale[i] = (k_word >> (8 * ((qd * S::kKScaleBytes) & 3))) &
+                       ((1u << (8 * S::kKScaleBytes)) - 1u);
+    } else {
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        const int at = Slot::kVCodeAt + ((i * 2 + t) * 32 + lane) * Slot::kVCode;
+        if constexpr (S::kVWords == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(slot + at);
+          c.v[i][t][0] = v.x, c.v[i][t][1] = v.y, c.v[i][t][2] = v.z, c.v[i][t][3] = v.w;
+        } else if constexpr (S::kVWords == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(slot + at);
+          c.v[i][t][0] = v.x, c.v[i][t][1] = v.y;
+        } else {
+          c.v[i][t][0] = word(at);
+        }
+      }
+      const uint32_t pos = base + 2 * qd + 8 * i;  // even; its page row is pos modulo 4 too
+      const bool second = pos + 1 < end;
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b) {
+        const int at =
+            Slot::kVScaleAt + ((i * S::kVBlocks + b) * Slot::kVScaleWords * 32 + lane) * 4;
+        if constexpr (kSwizzle) {
+          // The pair's two bytes at byte row % 4 (0 or 2) of the word (swizzled_scale_offset).
+          c.v_scale[i][b] = (word(at) >> (8 * (pos & 3u))) & (second ? 0xFFFFu : 0xFFu);
+        } else {
+          // Block s's byte at byte s % 4 of each position's word (linear_scale_offset).
+          const int shift = 8 * ((((kHead / 16) * g / 8) + b) & 3);
+          c.v_scale[i][b] =
+              ((word(at) >> shift) & 0xFFu) | (((word(at + 32 * 4) >> shift) & 0xFFu) << 8);
+        }
+      }
+    }
   }
 }
 
 // A chunk whose positions are all valid and whose tiles each lie in one page (the common
 // case): no per-position checks, one block-table entry per tile, and per tile one 64-bit
 // address per region; the other positions are constant offsets from it (HND).
-template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
-__device__ __forceinline__ void load_chunk_full(Chunk<kHead>& c, const PageView<kLayout>& pv,
-                                                const TilePages<Shape<kHead>::kTiles>& pages,
-                                                int lane) {
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout, typename Fetch>
+__device__ __forceinline__ void fetch_chunk_full(const Fetch& f, const PageView<kLayout>& pv,
+                                                 const TilePages<Shape<kHead>::kTiles>& pages,
+                                                 int lane) {
   using S = Shape<kHead>;
   const int g = lane >> 2, qd = lane & 3;
   // Plane rows between a position and the next one.
@@ -115,23 +275,24 @@ __device__ __forceinline__ void load_chunk_full(Chunk<kHead>& c, const PageView<
       const int i = 2 * tile + half;
       const uint32_t rows8 = 8 * half * step;  // plane rows of 8 positions
       if constexpr (kPart == Part::kK) {
-        load_words<kHead / 8>(k_data + rows8 * (kHead / 2), c.k[i]);
-        c.k_scale[i] = load_small<S::kKScaleBytes>(k_scale + rows8 * S::kScales);
+        f.k_code(i, k_data + rows8 * (kHead / 2), true);
+        f.k_scale(i, k_scale + rows8 * S::kScales, true);
         continue;
       }
-      load_words<kHead / 16>(v_data + rows8 * (kHead / 2), c.v[i][0]);
-      load_words<kHead / 16>(v_data + (rows8 + step) * (kHead / 2), c.v[i][1]);
+      f.v_code(i, 0, v_data + rows8 * (kHead / 2), true);
+      f.v_code(i, 1, v_data + (rows8 + step) * (kHead / 2), true);
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b) {
         const int s = (kHead / 16) * g / 8 + b;
         if constexpr (kSwizzle) {
           constexpr int kGroup = S::kScales / 4;
           const uint32_t srow = uint32_t(pv.plane_row((v_pos & ~3u) + s / kGroup));
-          c.v_scale[i][b] = load_small<2>(v_scales + ((srow + rows8) * S::kScales +
-                                                      (s % kGroup) * 4 + (v_pos & 3u)));
+          f.template v_scale<kSwizzle>(
+              i, b, v_scales + ((srow + rows8) * S::kScales + (s % kGroup) * 4 + (v_pos & 3u)),
+              nullptr, true, true);
         } else {
           const uint8_t* at = v_scales + ((v_row + rows8) * S::kScales + s);
-          c.v_scale[i][b] = load_small<1>(at) | (load_small<1>(at + step * S::kScales) << 8);
+          f.template v_scale<kSwizzle>(i, b, at, at + step * S::kScales, true, true);
         }
       }
     }
@@ -141,11 +302,12 @@ __device__ __forceinline__ void load_chunk_full(Chunk<kHead>& c, const PageView<
 // Any chunk: positions past `end` are not read (their K and V scales are zero: V adds
 // nothing, K's scores are masked), pages are looked up per position where tiles may cross
 // pages.
-template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
-__device__ __forceinline__ void load_chunk_checked(Chunk<kHead>& c, const PageView<kLayout>& pv,
-                                                   const TilePages<Shape<kHead>::kTiles>& pages,
-                                                   uint32_t base, uint32_t end, int lane) {
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout, typename Fetch>
+__device__ __forceinline__ void fetch_chunk_checked(const Fetch& f, const PageView<kLayout>& pv,
+                                                    const TilePages<Shape<kHead>::kTiles>& pages,
+                                                    uint32_t base, uint32_t end, int lane) {
   using S = Shape<kHead>;
+  constexpr int kScales = S::kScales;
   const int g = lane >> 2, qd = lane & 3;
   int64_t tile_page[S::kTiles];
 #pragma unroll
@@ -153,53 +315,68 @@ __device__ __forceinline__ void load_chunk_checked(Chunk<kHead>& c, const PageVi
 #pragma unroll
   for (int i = 0; i < 2 * S::kTiles && kPart == Part::kK; ++i) {
     const uint32_t pos = base + g + 8 * i;
-#pragma unroll
-    for (int w = 0; w < S::kKWords; ++w) c.k[i][w] = 0;
-    c.k_scale[i] = 0;
     if (pos < end) {
       uint32_t row = pages.row[i / 2] + g + 8 * (i % 2);
       const int64_t page = pv.tile_in_page ? tile_page[i / 2] : pv.locate(pos, &row);
       const uint8_t* side = pv.cache + page;
       const int32_t prow = pv.plane_row(row);
-      load_words<kHead / 8>(side + prow * (kHead / 2) + qd * (kHead / 8), c.k[i]);
-      c.k_scale[i] = load_small<S::kKScaleBytes>(side + pv.side_data + prow * S::kScales +
-                                                 qd * S::kKScaleBytes);
+      f.k_code(i, side + prow * (kHead / 2) + qd * (kHead / 8), true);
+      f.k_scale(i, side + pv.side_data + prow * kScales + qd * S::kKScaleBytes, true);
+    } else {
+      f.k_code(i, pv.cache, false);
+      f.k_scale(i, pv.cache, false);
     }
   }
 #pragma unroll
   for (int i = 0; i < 2 * S::kTiles && kPart == Part::kV; ++i) {
     const uint32_t pos = base + 2 * qd + 8 * i;  // even: pos and pos + 1 share a page
-#pragma unroll
-    for (int t = 0; t < 2; ++t)
-#pragma unroll
-      for (int w = 0; w < S::kVWords; ++w) c.v[i][t][w] = 0;
-#pragma unroll
-    for (int b = 0; b < S::kVBlocks; ++b) c.v_scale[i][b] = 0;
     if (pos < end) {
       const bool second = pos + 1 < end;
       uint32_t row = pages.row[i / 2] + 2 * qd + 8 * (i % 2);
       const int64_t page = pv.tile_in_page ? tile_page[i / 2] : pv.locate(pos, &row);
       const uint8_t* side = pv.cache + page + pv.side_bytes;
+      const uint8_t* region = side + pv.side_data;
       const int32_t prow = pv.plane_row(row), prow1 = pv.plane_row(row + 1);
-      load_words<kHead / 16>(side + prow * (kHead / 2) + g * (kHead / 16), c.v[i][0]);
-      if (second)
-        load_words<kHead / 16>(side + prow1 * (kHead / 2) + g * (kHead / 16), c.v[i][1]);
+      f.v_code(i, 0, side + prow * (kHead / 2) + g * (kHead / 16), true);
+      f.v_code(i, 1, second ? side + prow1 * (kHead / 2) + g * (kHead / 16) : pv.cache, second);
+#pragma unroll
+      for (int b = 0; b < S::kVBlocks; ++b) {
+        const int s = (kHead / 16) * g / 8 + b;
+        if constexpr (kSwizzle)
+          f.template v_scale<kSwizzle>(
+              i, b, region + pv.template swizzled_scale_offset<kScales>(row, s), nullptr, true,
+              second);
+        else
+          f.template v_scale<kSwizzle>(
+              i, b, region + pv.template linear_scale_offset<kScales>(row, s),
+              region + pv.template linear_scale_offset<kScales>(row + 1, s), true, second);
+      }
+    } else {
+      f.v_code(i, 0, pv.cache, false);
+      f.v_code(i, 1, pv.cache, false);
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b)
-        c.v_scale[i][b] = load_v_scales<kHead, kSwizzle>(pv, side, row,
-                                                         (kHead / 16) * g / 8 + b, second);
+        f.template v_scale<kSwizzle>(i, b, pv.cache, pv.cache, false, false);
     }
   }
 }
 
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout, typename Fetch>
+__device__ __forceinline__ void fetch_chunk(const Fetch& f, const PageView<kLayout>& pv,
+                                            const TilePages<Shape<kHead>::kTiles>& pages,
+                                            uint32_t base, uint32_t end, int lane) {
+  if (pv.tile_in_page && base + Shape<kHead>::kChunk <= end)
+    fetch_chunk_full<kPart, kHead, kSwizzle>(f, pv, pages, lane);
+  else
+    fetch_chunk_checked<kPart, kHead, kSwizzle>(f, pv, pages, base, end, lane);
+}
+
+// A chunk's Part straight into c's registers.
 template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
 __device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView<kLayout>& pv,
                                            const TilePages<Shape<kHead>::kTiles>& pages,
                                            uint32_t base, uint32_t end, int lane) {
-  if (pv.tile_in_page && base + Shape<kHead>::kChunk <= end)
-    load_chunk_full<kPart, kHead, kSwizzle>(c, pv, pages, lane);
-  else
-    load_chunk_checked<kPart, kHead, kSwizzle>(c, pv, pages, base, end, lane);
+  fetch_chunk<kPart, kHead, kSwizzle>(RegisterFetch<kHead>{c}, pv, pages, base, end, lane);
 }
 
 // K of a chunk's 16-position tile as the A fragments of S^T = K Q^T (positions in M, head
