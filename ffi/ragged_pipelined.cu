@@ -362,7 +362,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 // The developers' switch JAX_NVFP4_RAGGED_PIPELINED in the environment of the process, read
 // once: 0 leaves the long sequences to the ragged kernel (one build then measures and tests
 // both; tests/gpu_checks.sh part ragged-tile), 128 runs the kernel in steps of 128 positions
-// (ragged v10, until it has been measured), anything else or nothing in steps of 64.
+// (ragged v10: no faster on an H200, its producer the limit; kept for the producer's next
+// versions, which it would show first), anything else or nothing in steps of 64.
 int PipelinedStep() {
   static const int step = [] {
     const char* value = std::getenv("JAX_NVFP4_RAGGED_PIPELINED");
