@@ -400,7 +400,8 @@ __device__ __forceinline__ void attend_chunks_staged(
   TilePages<S::kTiles> ahead = first, after = fetch_pages<S::kTiles>(pv, chunk_base(1), end);
 #pragma unroll 1
   for (int k = 0; k < kAhead; ++k) {
-    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(k + 2), end);
+    const TilePages<S::kTiles> later =  // (chunk kAhead + 1's: read by the loop's first step)
+        k + 2 <= kAhead ? fetch_pages<S::kTiles>(pv, chunk_base(k + 2), end) : after;
     if (k < my_chunks) {
       stage(k, ahead, K{});
       stage(k, ahead, V{});
