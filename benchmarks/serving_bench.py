@@ -851,11 +851,18 @@ def plot(result, path):
     for key in CACHES:
         rs = sorted((r for r in result["rows"] if r["cache"] == key), key=lambda r: r["context"])
         if rs:
-            # The bf16 paged reader is picked per context (its best k_splits): one line, its
-            # choices named together.
-            splits = sorted({m.group(1) for r in rs
-                             for m in [re.search(r"k_splits=(\d+)", r["label"])] if m}, key=int)
-            label = re.sub(r"k_splits=\d+", "k_splits=" + " or ".join(splits), rs[-1]["label"])
+            # The bf16 paged reader is picked per context (Pallas at its best k_splits, or the
+            # library's jnp reader): one line, every reader it used named, each once.
+            readers = {}  # label with k_splits left out -> the k_splits it ran with
+            for r in rs:
+                found = re.search(r"k_splits=(\d+)", r["label"])
+                splits = readers.setdefault(re.sub(r"k_splits=\d+", "k_splits=*", r["label"]),
+                                            set())
+                if found:
+                    splits.add(found.group(1))
+            label = " / ".join(
+                reader.replace("k_splits=*", "k_splits=" + " or ".join(sorted(splits, key=int)))
+                for reader, splits in readers.items())
             ax.plot([r["context"] for r in rs], [r["tokens_per_s"] for r in rs], marker="o",
                     label=label)
     cfg = result["config"]

@@ -359,17 +359,17 @@ __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint3
   column_sums(st);
 }
 
-// Decode v8 (NVFP4_DECODE_STAGED): the same loop with the chunks' bytes staged through shared
-// memory, kSlots of a warp's chunks in flight where attend_chunks has one. Each lane
-// copies its own fields (cp.async, StagedFetch) into its warp's slot of the chunk, waits for
-// its own copies (cp.async.wait_group) and reads them back (read_staged_chunk): no barrier,
-// and no registers held by the loads in flight, so the depth costs shared memory only
-// (StagedSlot; `ring` is the CTA's kStagedBytes). A slot's K fields are copied over once this
-// chunk's scores are computed, its V fields once its values are accumulated: both after the
-// registers read from them were used. Every copy is waited for before it returns.
-template <int kHead, bool kSwizzle, int kSlots>
-constexpr int kStagedBytes = kChunkWarps * kSlots * StagedSlot<kHead, kSwizzle>::kBytes;
+// Shared memory a CTA's attend_chunks_staged takes (`ring`): kSlots slots per warp.
+template <int kHead, int kSlots>
+constexpr int kStagedBytes = kChunkWarps * kSlots * StagedSlot<kHead>::kBytes;
 
+// Decode v8 (NVFP4_DECODE_STAGED): the same loop with the chunks' bytes staged through shared
+// memory, kSlots of a warp's chunks in flight where attend_chunks has one. Each lane copies
+// its own fields (cp.async, StagedFetch) into its warp's slot of the chunk, waits for its own
+// copies (cp.async.wait_group) and reads them back (read_staged_chunk): no barrier, and no
+// registers held by the loads in flight, so the depth costs shared memory only (StagedSlot).
+// A slot's K fields are copied over once this chunk's scores are computed, its V fields once
+// its values are accumulated. Every copy is waited for before it returns.
 template <int kSlots, int kHead, bool kSwizzle, Layout kLayout, int kNT, typename QFragments>
 __device__ __forceinline__ void attend_chunks_staged(
     const PageView<kLayout>& pv, uint32_t begin, uint32_t end, uint32_t mask_from,
@@ -377,31 +377,32 @@ __device__ __forceinline__ void attend_chunks_staged(
     int warp, int lane, const TilePages<Shape<kHead>::kTiles>& first, uint8_t* ring,
     WarpState<kHead, kNT>& st) {
   using S = Shape<kHead>;
-  using Slot = StagedSlot<kHead, kSwizzle>;
+  using Slot = StagedSlot<kHead>;
   static_assert(kSlots >= 2, "a chunk read while the next lands");
-  constexpr int kAhead = kSlots;
   const int num_chunks = int((end - begin + S::kChunk - 1) / S::kChunk);
-  // This warp's k-th chunk is chunk warp + kChunkWarps k.
-  const int my_chunks = num_chunks > warp ? (num_chunks - warp + kChunkWarps - 1) / kChunkWarps : 0;
-  const auto chunk_base = [&](int k) {
+  // This warp's k-th chunk is chunk warp + kChunkWarps k of the range.
+  const int my_chunks =
+      num_chunks > warp ? (num_chunks - warp + kChunkWarps - 1) / kChunkWarps : 0;
+  const auto my_chunk_base = [&](int k) {
     return begin + uint32_t((warp + k * kChunkWarps) * S::kChunk);
   };
   uint8_t* const my_ring = ring + warp * kSlots * Slot::kBytes;
   const auto stage = [&](int k, const TilePages<S::kTiles>& pages, auto part) {
-    const StagedFetch<kHead, kSwizzle> f{my_ring + (k % kSlots) * Slot::kBytes, pv.cache,
-                                         lane};
-    fetch_chunk<decltype(part)::value, kHead, kSwizzle>(f, pv, pages, chunk_base(k), end, lane);
+    const StagedFetch<kHead, kSwizzle> f{my_ring + (k % kSlots) * Slot::kBytes, lane};
+    fetch_chunk<decltype(part)::value, kHead, kSwizzle>(f, pv, pages, my_chunk_base(k), end,
+                                                        lane);
   };
   using K = std::integral_constant<Part, Part::kK>;
   using V = std::integral_constant<Part, Part::kV>;
-  // The first kAhead chunks' bytes, one copy group per chunk (empty past the last: the wait
+  // The first kSlots chunks' bytes, one copy group per chunk (empty past the last: the wait
   // counts groups), each chunk's block-table entries read a chunk before its copies (a loop:
-  // each copy of fetch_chunk is large).
-  TilePages<S::kTiles> ahead = first, after = fetch_pages<S::kTiles>(pv, chunk_base(1), end);
+  // each copy of fetch_chunk is large). The last step reads no entries (`later` only keeps
+  // `after`): chunk kSlots + 1's are the main loop's first read.
+  TilePages<S::kTiles> ahead = first, after = fetch_pages<S::kTiles>(pv, my_chunk_base(1), end);
 #pragma unroll 1
-  for (int k = 0; k < kAhead; ++k) {
-    const TilePages<S::kTiles> later =  // (chunk kAhead + 1's: read by the loop's first step)
-        k + 2 <= kAhead ? fetch_pages<S::kTiles>(pv, chunk_base(k + 2), end) : after;
+  for (int k = 0; k < kSlots; ++k) {
+    const TilePages<S::kTiles> later =
+        k + 2 <= kSlots ? fetch_pages<S::kTiles>(pv, my_chunk_base(k + 2), end) : after;
     if (k < my_chunks) {
       stage(k, ahead, K{});
       stage(k, ahead, V{});
@@ -410,29 +411,30 @@ __device__ __forceinline__ void attend_chunks_staged(
     ahead = after;
     after = later;
   }
-  // Now `ahead` is chunk kAhead's, staged in step 0.
+  // Now `ahead` is chunk kSlots's, staged in step 0.
   Chunk<kHead> c;
 #pragma unroll 1
   for (int k = 0; k < my_chunks; ++k) {
-    const TilePages<S::kTiles> later = fetch_pages<S::kTiles>(pv, chunk_base(k + kAhead + 1), end);
-    const uint32_t base = chunk_base(k);
+    const TilePages<S::kTiles> later =
+        fetch_pages<S::kTiles>(pv, my_chunk_base(k + kSlots + 1), end);
+    const uint32_t base = my_chunk_base(k);
     const uint8_t* const slot = my_ring + (k % kSlots) * Slot::kBytes;
-    const bool refill = k + kAhead < my_chunks;
-    copy_async_wait<kAhead - 1>();  // this lane's copies of chunk k have landed
+    const bool refill = k + kSlots < my_chunks;
+    copy_async_wait<kSlots - 1>();  // this lane's copies of chunk k have landed
     read_staged_chunk<Part::kK, kHead, kSwizzle>(c, slot, base, end, lane);
     float s[S::kTiles][kNT][4];
     chunk_scores<kHead, kNT>(c, qf, score_scale, s);
     read_staged_chunk<Part::kV, kHead, kSwizzle>(c, slot, base, end, lane);
-    // The slot's reads stay before its copies below (the compiler), and have returned before
-    // them (the hardware: the K reads' registers were consumed by the scores, the V reads' are
-    // by the values before that part's copies; a lane's cp.async writes land a memory round
-    // trip after it issues them).
+    // The compiler keeps the slot's reads before the copies into it below (the barrier). That
+    // the reads have returned before a copy lands is not a PTX guarantee: it rests on the copy
+    // landing a memory round trip after it is issued (and, in the SASS, on the copies'
+    // registers reusing the reads' destinations).
     asm volatile("" ::: "memory");
-    if (refill) stage(k + kAhead, ahead, K{});
+    if (refill) stage(k + kSlots, ahead, K{});
     uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
     chunk_softmax<kHead, kNT>(s, st, base, base + S::kChunk > mask_from, limit, lane, p0, p1);
     chunk_accumulate<kHead, kNT>(c, st, p0, p1);
-    if (refill) stage(k + kAhead, ahead, V{});
+    if (refill) stage(k + kSlots, ahead, V{});
     copy_async_commit();
     ahead = later;
   }

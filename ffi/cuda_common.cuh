@@ -11,6 +11,9 @@
 
 namespace nvfp4 {
 
+// Shared memory an sm_90 CTA may have, static and dynamic together (232448 bytes).
+constexpr int kMaxSmemPerCta = 227 * 1024;
+
 // Division by a divisor fixed at launch, as a multiply-high and a shift (Granlund-Montgomery):
 // 32-bit integer division is a long instruction sequence on the GPU. Exact for numerators
 // below 2^31.

@@ -66,10 +66,8 @@ constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA'
 constexpr int kStagedSlots = NVFP4_DECODE_STAGED;
 constexpr bool kStaged = kStagedSlots > 0;
 // Dynamic shared memory a CTA takes: the staged slots, which the warps' merge then reuses.
-template <int kHead, bool kSwizzle>
-constexpr int kDynamicSmem = kStaged ? kStagedBytes<kHead, kSwizzle, kStagedSlots> : 0;
-static_assert(kDynamicSmem<256, false> + 4 * (kHeadsPerCta * 256 + kHeadsPerCta) <= 227 * 1024,
-              "a CTA's shared memory (the slots, the cluster merge's split results)");
+template <int kHead>
+constexpr int kDynamicSmem = kStaged ? kStagedBytes<kHead, kStagedSlots> : 0;
 
 
 // CTAs per SM the registers are budgeted for (warps to hide latency against registers per
@@ -220,6 +218,8 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
   // The cluster merge's partial results: this split's (unused otherwise).
   __shared__ float split_out[kHeadsPerCta * kHead];
   __shared__ float split_lse[kHeadsPerCta];
+  static_assert(kDynamicSmem<kHead> + sizeof(split_out) + sizeof(split_lse) <= kMaxSmemPerCta,
+                "a CTA's shared memory: the staged slots and the cluster merge's partials");
   const float out_scale = v_scale * 128.f;
   if (empty) {
     if (threadIdx.x < heads_here) split_lse[threadIdx.x] = -INFINITY;
@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     float* merge_smem;
     if constexpr (kStaged) {
       extern __shared__ __align__(16) uint8_t staged_slots[];
-      static_assert(kDynamicSmem<kHead, kSwizzle> >= 4 * kMergeFloats<kHead, kHeadsPerCta>,
+      static_assert(kDynamicSmem<kHead> >= 4 * kMergeFloats<kHead, kHeadsPerCta>,
                     "the merge reuses the slots");
       attend_chunks_staged<kStagedSlots, kHead, kSwizzle, kLayout, 1>(
           pv, uint32_t(begin), uint32_t(end), uint32_t(end), limit, qf, score_scale, warp, lane,
@@ -328,7 +328,7 @@ template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t ConfigureDecode() {
   if constexpr (kStaged)
     return ConfigureSharedMemory<DecodeKernel<kHead, kSwizzle, kLayout>>(
-        kDynamicSmem<kHead, kSwizzle>);
+        kDynamicSmem<kHead>);
   return cudaSuccess;
 }
 
@@ -339,7 +339,7 @@ cudaError_t LaunchKernels(cudaStream_t stream, const DecodeProblem& p) {
     cudaGetLastError();
     return configured;
   }
-  constexpr int kSmem = kDynamicSmem<kHead, kSwizzle>;
+  constexpr int kSmem = kDynamicSmem<kHead>;
   const int head_tiles = HeadTiles(p);
   const int64_t units = CtasPerSplit(p);
   const Grid grid{FastDivmod(uint32_t(head_tiles)), FastDivmod(uint32_t(p.page.num_kv_heads)),
@@ -408,7 +408,7 @@ int AskClusterMergeSplits(int device) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(1, uint32_t(kMaxClusterSplits));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = kDynamicSmem<kHead, true>;
+  config.dynamicSmemBytes = kDynamicSmem<kHead>;
   int size = 0;
   if (cudaOccupancyMaxPotentialClusterSize(&size, DecodeKernel<kHead, true, Layout::kHND>,
                                            &config) != cudaSuccess) {
@@ -470,7 +470,7 @@ int ResidentCtas() {
     return 0;
   }
   return ResidentCtasPerSm(DecodeKernel<kHead, true, Layout::kHND>, kThreads,
-                           kDynamicSmem<kHead, true>);
+                           kDynamicSmem<kHead>);
 }
 
 }  // namespace

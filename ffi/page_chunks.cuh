@@ -68,6 +68,12 @@ __device__ __forceinline__ TilePages<kTiles> fetch_pages(const PageView<kLayout>
   return t;
 }
 
+// The V scale block of lane row g's head dims, b-th of its kVBlocks.
+template <int kHead>
+__device__ __forceinline__ int v_scale_block(int g, int b) {
+  return (kHead / 16) * g / 8 + b;
+}
+
 // ------------------------------------------------------------------------------------------
 // Where a chunk's bytes go. The loaders below name each field of a lane's share of a chunk
 // and where it is in the pages; a fetch policy puts it somewhere:
@@ -79,7 +85,7 @@ __device__ __forceinline__ TilePages<kTiles> fetch_pages(const PageView<kLayout>
 // swizzled the two adjacent bytes at `at`, linear one byte at `at` and one at `at_next`; the
 // second only where `second` (p + 1 < end).
 
-template <int kHead>
+template <int kHead, bool kSwizzle>
 struct RegisterFetch {
   using S = Shape<kHead>;
   Chunk<kHead>& c;
@@ -103,7 +109,6 @@ struct RegisterFetch {
       for (int w = 0; w < S::kVWords; ++w) c.v[i][t][w] = 0;
     }
   }
-  template <bool kSwizzle>
   __device__ __forceinline__ void v_scale(int i, int b, const uint8_t* at, const uint8_t* at_next,
                                           bool valid, bool second) const {
     uint32_t bytes = 0;
@@ -125,57 +130,66 @@ struct RegisterFetch {
 // 16-byte accesses from 32 lanes are conflict-free. Scale fields hold the aligned 4-byte word
 // around the lane's bytes (cp.async copies no fewer); V scales two words a pair, one per
 // position, used by linear scales only: one size for both layouts, which the occupancy
-// queries assume (decode_cuda.cu asks about one instance per head size).
-template <int kHead, bool kSwizzle>
+// queries assume (decode_cuda.cu asks about one instance per head size). The *_at functions
+// are the byte offsets of a lane's fields, for the writer (StagedFetch) and the reader
+// (read_staged_chunk) alike.
+template <int kHead>
 struct StagedSlot {
   using S = Shape<kHead>;
   static constexpr int kFields = 2 * S::kTiles;  // i of Chunk
   static constexpr int kKCode = S::kKWords * 4, kVCode = S::kVWords * 4;  // bytes a lane
   static constexpr int kKPiece = kKCode < 16 ? kKCode : 16, kKPieces = kKCode / kKPiece;
-  static constexpr int kVScaleWords = 2;
   static_assert(kVCode <= 16, "one V code field a lane");
-  static constexpr int kKCodeAt = 0;
-  static constexpr int kKScaleAt = kKCodeAt + kFields * 32 * kKCode;
+  static constexpr int kKScaleAt = kFields * 32 * kKCode;
   static constexpr int kVCodeAt = kKScaleAt + kFields * 32 * 4;
   static constexpr int kVScaleAt = kVCodeAt + kFields * 2 * 32 * kVCode;
-  static constexpr int kBytes = kVScaleAt + kFields * S::kVBlocks * kVScaleWords * 32 * 4;
+  static constexpr int kBytes = kVScaleAt + kFields * S::kVBlocks * 2 * 32 * 4;
+
+  // Piece h of position i's K codes; its K scale word; its V codes of position t of the pair;
+  // the V scale word of block b of position t of the pair.
+  __device__ __forceinline__ static int k_code_at(int i, int h, int lane) {
+    return ((i * kKPieces + h) * 32 + lane) * kKPiece;
+  }
+  __device__ __forceinline__ static int k_scale_at(int i, int lane) {
+    return kKScaleAt + (i * 32 + lane) * 4;
+  }
+  __device__ __forceinline__ static int v_code_at(int i, int t, int lane) {
+    return kVCodeAt + ((i * 2 + t) * 32 + lane) * kVCode;
+  }
+  __device__ __forceinline__ static int v_scale_at(int i, int b, int t, int lane) {
+    return kVScaleAt + (((i * S::kVBlocks + b) * 2 + t) * 32 + lane) * 4;
+  }
 };
 
 __device__ __forceinline__ const uint8_t* aligned_word(const uint8_t* at) {
   return reinterpret_cast<const uint8_t*>(reinterpret_cast<uintptr_t>(at) & ~uintptr_t(3));
 }
 
+// A field that is not valid is zero-filled, its source not read (the loaders pass a readable
+// address for it all the same).
 template <int kHead, bool kSwizzle>
 struct StagedFetch {
-  using Slot = StagedSlot<kHead, kSwizzle>;
+  using Slot = StagedSlot<kHead>;
   uint8_t* slot;
-  const uint8_t* none;  // a readable address for fields that are not valid (nothing is read)
   int lane;
 
   __device__ __forceinline__ void k_code(int i, const uint8_t* src, bool valid) const {
 #pragma unroll
     for (int h = 0; h < Slot::kKPieces; ++h)
-      copy_async<Slot::kKPiece>(
-          slot + Slot::kKCodeAt + ((i * Slot::kKPieces + h) * 32 + lane) * Slot::kKPiece,
-          valid ? src + h * Slot::kKPiece : none, valid);
+      copy_async<Slot::kKPiece>(slot + Slot::k_code_at(i, h, lane), src + h * Slot::kKPiece,
+                                valid);
   }
   __device__ __forceinline__ void k_scale(int i, const uint8_t* at, bool valid) const {
-    copy_async<4>(slot + Slot::kKScaleAt + (i * 32 + lane) * 4, valid ? aligned_word(at) : none,
-                  valid);
+    copy_async<4>(slot + Slot::k_scale_at(i, lane), aligned_word(at), valid);
   }
   __device__ __forceinline__ void v_code(int i, int t, const uint8_t* src, bool valid) const {
-    copy_async<Slot::kVCode>(slot + Slot::kVCodeAt + ((i * 2 + t) * 32 + lane) * Slot::kVCode,
-                             valid ? src : none, valid);
+    copy_async<Slot::kVCode>(slot + Slot::v_code_at(i, t, lane), src, valid);
   }
-  template <bool kSwizzleToo>
   __device__ __forceinline__ void v_scale(int i, int b, const uint8_t* at, const uint8_t* at_next,
                                           bool valid, bool second) const {
-    static_assert(kSwizzleToo == kSwizzle, "the slot's layout");
-    uint8_t* const field = slot + Slot::kVScaleAt +
-                           ((i * Shape<kHead>::kVBlocks + b) * Slot::kVScaleWords * 32 + lane) * 4;
-    copy_async<4>(field, valid ? aligned_word(at) : none, valid);
+    copy_async<4>(slot + Slot::v_scale_at(i, b, 0, lane), aligned_word(at), valid);
     if constexpr (!kSwizzle)
-      copy_async<4>(field + 32 * 4, valid && second ? aligned_word(at_next) : none,
+      copy_async<4>(slot + Slot::v_scale_at(i, b, 1, lane), aligned_word(at_next),
                     valid && second);
   }
 };
@@ -187,7 +201,7 @@ template <Part kPart, int kHead, bool kSwizzle>
 __device__ __forceinline__ void read_staged_chunk(Chunk<kHead>& c, const uint8_t* slot,
                                                   uint32_t base, uint32_t end, int lane) {
   using S = Shape<kHead>;
-  using Slot = StagedSlot<kHead, kSwizzle>;
+  using Slot = StagedSlot<kHead>;
   const int g = lane >> 2, qd = lane & 3;
   const auto word = [&](int at) { return *reinterpret_cast<const uint32_t*>(slot + at); };
 #pragma unroll
@@ -195,8 +209,7 @@ __device__ __forceinline__ void read_staged_chunk(Chunk<kHead>& c, const uint8_t
     if constexpr (kPart == Part::kK) {
 #pragma unroll
       for (int h = 0; h < Slot::kKPieces; ++h) {
-        const uint8_t* at =
-            slot + Slot::kKCodeAt + ((i * Slot::kKPieces + h) * 32 + lane) * Slot::kKPiece;
+        const uint8_t* at = slot + Slot::k_code_at(i, h, lane);
         uint32_t* w = c.k[i] + h * (Slot::kKPiece / 4);
         if constexpr (Slot::kKPiece == 16) {
           const uint4 v = *reinterpret_cast<const uint4*>(at);
@@ -207,7 +220,7 @@ __device__ __forceinline__ void read_staged_chunk(Chunk<kHead>& c, const uint8_t
         }
       }
       // The lane's scale bytes start at byte (qd * kKScaleBytes) % 4 of their word.
-      const uint32_t k_word = word(Slot::kKScaleAt + (i * 32 + lane) * 4);
+      const uint32_t k_word = word(Slot::k_scale_at(i, lane));
       if constexpr (S::kKScaleBytes == 4)
         c.k_scale[i] = k_word;
       else
@@ -216,31 +229,30 @@ __device__ __forceinline__ void read_staged_chunk(Chunk<kHead>& c, const uint8_t
     } else {
 #pragma unroll
       for (int t = 0; t < 2; ++t) {
-        const int at = Slot::kVCodeAt + ((i * 2 + t) * 32 + lane) * Slot::kVCode;
+        const uint8_t* at = slot + Slot::v_code_at(i, t, lane);
         if constexpr (S::kVWords == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(slot + at);
+          const uint4 v = *reinterpret_cast<const uint4*>(at);
           c.v[i][t][0] = v.x, c.v[i][t][1] = v.y, c.v[i][t][2] = v.z, c.v[i][t][3] = v.w;
         } else if constexpr (S::kVWords == 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(slot + at);
+          const uint2 v = *reinterpret_cast<const uint2*>(at);
           c.v[i][t][0] = v.x, c.v[i][t][1] = v.y;
         } else {
-          c.v[i][t][0] = word(at);
+          c.v[i][t][0] = *reinterpret_cast<const uint32_t*>(at);
         }
       }
       const uint32_t pos = base + 2 * qd + 8 * i;  // even; its page row is pos modulo 4 too
       const bool second = pos + 1 < end;
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b) {
-        const int at =
-            Slot::kVScaleAt + ((i * S::kVBlocks + b) * Slot::kVScaleWords * 32 + lane) * 4;
+        const uint32_t first_word = word(Slot::v_scale_at(i, b, 0, lane));
         if constexpr (kSwizzle) {
           // The pair's two bytes at byte row % 4 (0 or 2) of the word (swizzled_scale_offset).
-          c.v_scale[i][b] = (word(at) >> (8 * (pos & 3u))) & (second ? 0xFFFFu : 0xFFu);
+          c.v_scale[i][b] = (first_word >> (8 * (pos & 3u))) & (second ? 0xFFFFu : 0xFFu);
         } else {
           // Block s's byte at byte s % 4 of each position's word (linear_scale_offset).
-          const int shift = 8 * ((((kHead / 16) * g / 8) + b) & 3);
-          c.v_scale[i][b] =
-              ((word(at) >> shift) & 0xFFu) | (((word(at + 32 * 4) >> shift) & 0xFFu) << 8);
+          const int shift = 8 * (v_scale_block<kHead>(g, b) & 3);
+          c.v_scale[i][b] = ((first_word >> shift) & 0xFFu) |
+                            (((word(Slot::v_scale_at(i, b, 1, lane)) >> shift) & 0xFFu) << 8);
         }
       }
     }
@@ -283,16 +295,16 @@ __device__ __forceinline__ void fetch_chunk_full(const Fetch& f, const PageView<
       f.v_code(i, 1, v_data + (rows8 + step) * (kHead / 2), true);
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b) {
-        const int s = (kHead / 16) * g / 8 + b;
+        const int s = v_scale_block<kHead>(g, b);
         if constexpr (kSwizzle) {
           constexpr int kGroup = S::kScales / 4;
           const uint32_t srow = uint32_t(pv.plane_row((v_pos & ~3u) + s / kGroup));
-          f.template v_scale<kSwizzle>(
+          f.v_scale(
               i, b, v_scales + ((srow + rows8) * S::kScales + (s % kGroup) * 4 + (v_pos & 3u)),
               nullptr, true, true);
         } else {
           const uint8_t* at = v_scales + ((v_row + rows8) * S::kScales + s);
-          f.template v_scale<kSwizzle>(i, b, at, at + step * S::kScales, true, true);
+          f.v_scale(i, b, at, at + step * S::kScales, true, true);
         }
       }
     }
@@ -341,13 +353,13 @@ __device__ __forceinline__ void fetch_chunk_checked(const Fetch& f, const PageVi
       f.v_code(i, 1, second ? side + prow1 * (kHead / 2) + g * (kHead / 16) : pv.cache, second);
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b) {
-        const int s = (kHead / 16) * g / 8 + b;
+        const int s = v_scale_block<kHead>(g, b);
         if constexpr (kSwizzle)
-          f.template v_scale<kSwizzle>(
+          f.v_scale(
               i, b, region + pv.template swizzled_scale_offset<kScales>(row, s), nullptr, true,
               second);
         else
-          f.template v_scale<kSwizzle>(
+          f.v_scale(
               i, b, region + pv.template linear_scale_offset<kScales>(row, s),
               region + pv.template linear_scale_offset<kScales>(row + 1, s), true, second);
       }
@@ -356,7 +368,7 @@ __device__ __forceinline__ void fetch_chunk_checked(const Fetch& f, const PageVi
       f.v_code(i, 1, pv.cache, false);
 #pragma unroll
       for (int b = 0; b < S::kVBlocks; ++b)
-        f.template v_scale<kSwizzle>(i, b, pv.cache, pv.cache, false, false);
+        f.v_scale(i, b, pv.cache, pv.cache, false, false);
     }
   }
 }
@@ -376,7 +388,8 @@ template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
 __device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView<kLayout>& pv,
                                            const TilePages<Shape<kHead>::kTiles>& pages,
                                            uint32_t base, uint32_t end, int lane) {
-  fetch_chunk<kPart, kHead, kSwizzle>(RegisterFetch<kHead>{c}, pv, pages, base, end, lane);
+  fetch_chunk<kPart, kHead, kSwizzle>(RegisterFetch<kHead, kSwizzle>{c}, pv, pages, base, end,
+                                      lane);
 }
 
 // K of a chunk's 16-position tile as the A fragments of S^T = K Q^T (positions in M, head

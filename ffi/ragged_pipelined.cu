@@ -72,7 +72,7 @@ struct PipeShape {
   static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
   static_assert(kRingSlots >= 3, "a ring step converted, one landing, one in flight");
   static_assert(!kQInStage || kQBytes <= kStageBytes, "q fits a stage");
-  static_assert(kSmemBytes <= 227 * 1024, "an sm_90 CTA's shared memory");
+  static_assert(kSmemBytes <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
 };
 
 // Named barriers (0 is __syncthreads): stage i full (the producer arrives, the consumers wait)

@@ -374,8 +374,9 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
     shared memory (exact) for the tensor cores (wgmma on sm_90a for tiles of more than 32 rows,
     mma.sync otherwise), or for head size 128 on an sm_90 GPU (an sm_90a build) the pipelined
     prefill kernel for the sequences of more than 16 rows, where one warpgroup converts the
-    pages to fp16 while two multiply on asynchronous wgmma; the decode kernel of :func:`paged_attention` for the sequences of one
-    query token; and, for head sizes 64 and 128, a few-row kernel for sequences of 2 or more
+    pages to fp16 while two multiply on asynchronous wgmma; the decode kernel of
+    :func:`paged_attention` for the sequences of one query token; and, for head sizes 64 and
+    128, a few-row kernel for sequences of 2 or more
     tokens and at most 16 rows (speculative decoding) that reads the pages straight into its
     tensor-core fragments. Float32 accumulation and online softmax, q and P rounded to fp16 as
     in the decode kernel. Elsewhere, for other head sizes and with ``impl="jnp"``, the jnp path
