@@ -315,6 +315,27 @@ __device__ __forceinline__ void column_sums(WarpState<kHead, kNT>& st) {
         st.l[t][h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[t][h], delta);
 }
 
+// One chunk's attention, from the chunk's registers (c: K before the scores, V before the
+// values) into the warp's state: S^T, the online softmax, O^T += V^T P^T. after_scores runs
+// once c's K has been used, after_values once its V has (the loops refill c or its slot
+// there); `masked`: the chunk reaches past mask_from.
+template <int kHead, int kNT, typename QFragments, typename AfterScores, typename AfterValues>
+__device__ __forceinline__ void attend_chunk(const Chunk<kHead>& c, const QFragments& qf,
+                                             const float (&score_scale)[kNT][2],
+                                             const uint32_t (&limit)[kNT][2], uint32_t base,
+                                             bool masked, int lane, WarpState<kHead, kNT>& st,
+                                             AfterScores&& after_scores,
+                                             AfterValues&& after_values) {
+  using S = Shape<kHead>;
+  float s[S::kTiles][kNT][4];
+  chunk_scores<kHead, kNT>(c, qf, score_scale, s);
+  after_scores();
+  uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
+  chunk_softmax<kHead, kNT>(s, st, base, masked, limit, lane, p0, p1);
+  chunk_accumulate<kHead, kNT>(c, st, p0, p1);
+  after_values();
+}
+
 // The chunk loop of one warp over positions [begin, end): warp w takes chunks w, w + 4, ...
 // One set of chunk registers: the next chunk's K is loaded as soon as this chunk's scores are
 // computed, its V once this chunk's values are accumulated; block-table entries are read a
@@ -347,13 +368,14 @@ __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint3
         fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kChunkWarps), end);
     const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kChunkWarps);
     const bool has_next = chunk + kChunkWarps < num_chunks;
-    float s[S::kTiles][kNT][4];
-    chunk_scores<kHead, kNT>(c, qf, score_scale, s);
-    if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
-    uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
-    chunk_softmax<kHead, kNT>(s, st, base, base + S::kChunk > mask_from, limit, lane, p0, p1);
-    chunk_accumulate<kHead, kNT>(c, st, p0, p1);
-    if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+    attend_chunk<kHead, kNT>(
+        c, qf, score_scale, limit, base, base + S::kChunk > mask_from, lane, st,
+        [&] {
+          if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+        },
+        [&] {
+          if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+        });
     pages = later;
   }
   column_sums(st);
@@ -422,19 +444,20 @@ __device__ __forceinline__ void attend_chunks_staged(
     const bool refill = k + kSlots < my_chunks;
     copy_async_wait<kSlots - 1>();  // this lane's copies of chunk k have landed
     read_staged_chunk<Part::kK, kHead, kSwizzle>(c, slot, base, end, lane);
-    float s[S::kTiles][kNT][4];
-    chunk_scores<kHead, kNT>(c, qf, score_scale, s);
-    read_staged_chunk<Part::kV, kHead, kSwizzle>(c, slot, base, end, lane);
-    // The compiler keeps the slot's reads before the copies into it below (the barrier). That
-    // the reads have returned before a copy lands is not a PTX guarantee: it rests on the copy
-    // landing a memory round trip after it is issued (and, in the SASS, on the copies'
-    // registers reusing the reads' destinations).
-    asm volatile("" ::: "memory");
-    if (refill) stage(k + kSlots, ahead, K{});
-    uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
-    chunk_softmax<kHead, kNT>(s, st, base, base + S::kChunk > mask_from, limit, lane, p0, p1);
-    chunk_accumulate<kHead, kNT>(c, st, p0, p1);
-    if (refill) stage(k + kSlots, ahead, V{});
+    attend_chunk<kHead, kNT>(
+        c, qf, score_scale, limit, base, base + S::kChunk > mask_from, lane, st,
+        [&] {
+          read_staged_chunk<Part::kV, kHead, kSwizzle>(c, slot, base, end, lane);
+          // The compiler keeps the slot's reads before the copies into it below (the
+          // barrier). That the reads have returned before a copy lands is not a PTX guarantee:
+          // it rests on the copy landing a memory round trip after it is issued (and, in the
+          // SASS, on the copies' registers reusing the reads' destinations).
+          asm volatile("" ::: "memory");
+          if (refill) stage(k + kSlots, ahead, K{});
+        },
+        [&] {
+          if (refill) stage(k + kSlots, ahead, V{});
+        });
     copy_async_commit();
     ahead = later;
   }
