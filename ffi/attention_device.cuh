@@ -86,32 +86,14 @@ __device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b) {
   return d;
 }
 
-// The conversion's left shifts. ptxas turns some `x << n` into IMAD.SHL, on the FMA pipe, where
-// the pipelined prefill kernel's consumers run their softmax; -DNVFP4_CONVERT_SHF=1 in
-// CMAKE_CUDA_FLAGS writes them as funnel shifts (shf.l.clamp with a zero low word: x << n),
-// which stay SHF on the ALU pipe. A build option until measured (benchmarks/NOTES.md).
-#ifndef NVFP4_CONVERT_SHF
-#define NVFP4_CONVERT_SHF 0
-#endif
-template <int kShift>
-__device__ __forceinline__ uint32_t shift_left(uint32_t x) {
-#if NVFP4_CONVERT_SHF
-  uint32_t d;
-  asm("shf.l.clamp.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(0u), "r"(x), "n"(kShift));
-  return d;
-#else
-  return x << kShift;
-#endif
-}
-
 __device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&r)[4]) {
   constexpr uint32_t kKeep = 0x8E008E00u;
   uint32_t even, odd;
   asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(even) : "r"(w), "n"(0x0F0F0F0F));
   asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(odd) : "r"(w), "n"(0xF0F0F0F0));
-  r[0] = or_and<kKeep>(shift_left<9>(even), shift_left<12>(even));
-  r[1] = or_and<kKeep>(shift_left<1>(even), shift_left<4>(even));
-  r[2] = or_and<kKeep>(shift_left<5>(odd), shift_left<8>(odd));
+  r[0] = or_and<kKeep>((even << 9), (even << 12));
+  r[1] = or_and<kKeep>((even << 1), (even << 4));
+  r[2] = or_and<kKeep>((odd << 5), (odd << 8));
   r[3] = or_and<kKeep>(odd >> 3, odd);
 }
 

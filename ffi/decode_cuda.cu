@@ -47,22 +47,24 @@ namespace {
 namespace cg = cooperative_groups;
 
 constexpr int kThreads = kChunkWarps * 32;
-// CTAs per SM for head sizes 64 and 128 (measured on an H200, 2026-11-30: 3 CTAs, 168
-// registers, 442 us at batch 32 x 32768; 4 CTAs spill at 128 registers and take 660 us). To
-// measure another value: -DNVFP4_DECODE_MIN_CTAS=N in CMAKE_CUDA_FLAGS.
-#ifndef NVFP4_DECODE_MIN_CTAS
-#define NVFP4_DECODE_MIN_CTAS 3
-#endif
-constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA's N
 // Decode v8: the chunks' bytes staged through shared memory, NVFP4_DECODE_STAGED chunks ahead
 // per warp (attend_chunks_staged), for the load latency that one chunk in flight per warp
-// leaves exposed (benchmarks/NOTES.md, decode at 418 x 4096); the loads then hold no
-// registers, and at 4 CTAs a SM (NVFP4_DECODE_MIN_CTAS=4: 128 registers) it does not spill.
-// 0 (the default until it has been measured on a GPU): the loads into registers. E.g.
-// -DNVFP4_DECODE_STAGED=3, or =2 with -DNVFP4_DECODE_MIN_CTAS=4, in CMAKE_CUDA_FLAGS.
+// left exposed (benchmarks/NOTES.md, decode at 418 x 4096); the loads hold no registers, so
+// 4 CTAs a SM fit in 128 registers without spilling. Measured on an H200 (2026-12-02, batch x
+// context 1x4096 / 8x4096 / 64x1024 / 32x8192 / 32x32768 / 128x4096): 2 slots at 4 CTAs
+// 15.9 / 31.9 / 43.8 / 126.2 / 439.0 / 232.1 us, 3 slots at 3 CTAs 15.9 / 31.8 / 59.7 /
+// 132.3 / 436.4 / 233.1, the loads into registers (0) at 3 CTAs 16.3 / 31.8 / 62.5 / 132.1 /
+// 446.2 / 246.9 (168 registers; at 4 CTAs they spill and take 16.9 / 33.2 / 50.9 / 164.7 /
+// 596.0 / 301.8). Other values: -DNVFP4_DECODE_STAGED=N and -DNVFP4_DECODE_MIN_CTAS=N in
+// CMAKE_CUDA_FLAGS.
 #ifndef NVFP4_DECODE_STAGED
-#define NVFP4_DECODE_STAGED 0
+#define NVFP4_DECODE_STAGED 2
 #endif
+// CTAs per SM for head sizes 64 and 128.
+#ifndef NVFP4_DECODE_MIN_CTAS
+#define NVFP4_DECODE_MIN_CTAS (NVFP4_DECODE_STAGED > 0 ? 4 : 3)
+#endif
+constexpr int kHeadsPerCta = 8;  // query heads of one kv head per CTA: the MMA's N
 constexpr int kStagedSlots = NVFP4_DECODE_STAGED;
 constexpr bool kStaged = kStagedSlots > 0;
 // Dynamic shared memory a CTA takes: the staged slots, which the warps' merge then reuses.
