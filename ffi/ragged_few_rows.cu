@@ -42,6 +42,23 @@ constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each)
 #define NVFP4_FEW_ROWS_MIN_CTAS 2
 #endif
 constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
+// The chunks' bytes staged through shared memory, NVFP4_FEW_ROWS_STAGED chunks ahead per warp
+// (attend_chunks_staged: the decode kernel's default since decode v8, 4-6% faster there at
+// long contexts); 0, the default until it is measured on a GPU: the loads into registers.
+// -DNVFP4_FEW_ROWS_STAGED=N in CMAKE_CUDA_FLAGS.
+#ifndef NVFP4_FEW_ROWS_STAGED
+#define NVFP4_FEW_ROWS_STAGED 0
+#endif
+constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
+constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
+// Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses
+// (at least its kMergeFloats).
+template <int kHead>
+constexpr int kFewRowsSmem =
+    !kFewRowsStaged ? 0
+    : kStagedBytes<kHead, kFewRowsStagedSlots> >= 4 * kMergeFloats<kHead, kFewRows>
+        ? kStagedBytes<kHead, kFewRowsStagedSlots>
+        : 4 * kMergeFloats<kHead, kFewRows>;
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
 // count, so that no loop over the rows branches).
@@ -49,7 +66,7 @@ template <int kHead, bool kSwizzle, Layout kLayout, int kNT>
 __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const RaggedGrid& grid,
                                                 int32_t b, int32_t kv_head, int32_t member,
                                                 int32_t split, int32_t start, int32_t q_len,
-                                                float* merge_smem) {
+                                                uint8_t* smem) {
   using S = Shape<kHead>;
   static_assert(kNT >= 1 && kNT <= kNTiles, "n-tiles");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -117,12 +134,19 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   // masked per row (every later row sees more).
   WarpState<kHead, kNT> st;
   init_state(st);
-  attend_chunks<kHead, kSwizzle, kLayout, kNT>(
-      pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
-      first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), st);
+  if constexpr (kFewRowsStaged) {
+    attend_chunks_staged<kFewRowsStagedSlots, kHead, kSwizzle, kLayout, kNT>(
+        pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
+        first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), smem, st);
+    __syncthreads();  // every warp is done with its slots: the merge reuses them
+  } else {
+    attend_chunks<kHead, kSwizzle, kLayout, kNT>(
+        pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
+        first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), st);
+  }
 
   const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
-  merge_warps<kHead, kNT>(st, merge_smem, rows, warp, lane,
+  merge_warps<kHead, kNT>(st, reinterpret_cast<float*>(smem), rows, warp, lane,
                           [&](int r, int d, float value, float lse2) {
                             const int64_t row = q_row_of(r);
                             if (lse2 == -INFINITY) {  // nothing attended to in this split
@@ -136,7 +160,15 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
 template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
-  __shared__ float merge_smem[kMergeFloats<kHead, kFewRows>];
+  // The warps' merge (and where staged, first the slots: dynamic shared memory).
+  uint8_t* smem;
+  if constexpr (kFewRowsStaged) {
+    extern __shared__ __align__(16) uint8_t few_rows_slots[];
+    smem = few_rows_slots;
+  } else {
+    __shared__ float merge_floats[kMergeFloats<kHead, kFewRows>];
+    smem = reinterpret_cast<uint8_t*>(merge_floats);
+  }
   const int lane = threadIdx.x & 31;
   const RaggedCta cta = ragged_cta(p, grid);  // (slot b: sequence b)
   const int32_t b = cta.slot, kv_head = cta.kv_head, member = cta.member, split = cta.split;
@@ -167,14 +199,27 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
   if (!taken) return;  // (CTA-uniform) another kernel's sequence
   if (q_len * group <= 8)  // one n-tile, or two
     return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
-                                                        start, q_len, merge_smem);
+                                                        start, q_len, smem);
   attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split, start, q_len,
-                                               merge_smem);
+                                               smem);
+}
+
+// The kernel's dynamic shared memory where it takes some (staged), once per device.
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t ConfigureFewRows() {
+  if constexpr (kFewRowsStaged)
+    return ConfigureSharedMemory<FewRowsKernel<kHead, kSwizzle, kLayout>>(kFewRowsSmem<kHead>);
+  return cudaSuccess;
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   constexpr auto kernel = FewRowsKernel<kHead, kSwizzle, kLayout>;
+  const cudaError_t configured = ConfigureFewRows<kHead, kSwizzle, kLayout>();
+  if (configured != cudaSuccess) {
+    cudaGetLastError();  // reported here, not by the next launch's check
+    return configured;
+  }
   const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
@@ -183,7 +228,7 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
                                        : 0;
   const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  kernel<<<blocks, kThreads, 0, stream>>>(p, grid);
+  kernel<<<blocks, kThreads, kFewRowsSmem<kHead>, stream>>>(p, grid);
   return cudaGetLastError();
 }
 
@@ -196,8 +241,13 @@ int FewRowsResidentCtasPerSm(int head_size) {
         if constexpr (decltype(head)::value > kFewRowsMaxHead) {
           return 0;
         } else {
-          return ResidentCtasPerSm(FewRowsKernel<decltype(head)::value, true, Layout::kHND>,
-                                   kThreads, 0);
+          constexpr int kHeadSize = decltype(head)::value;
+          if (ConfigureFewRows<kHeadSize, true, Layout::kHND>() != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+          }
+          return ResidentCtasPerSm(FewRowsKernel<kHeadSize, true, Layout::kHND>, kThreads,
+                                   kFewRowsSmem<kHeadSize>);
         }
       },
       0);
