@@ -148,7 +148,10 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
 // multiply-add; the three sums share the exponent of 2^23, so their minimum as floats is that
 // of their low bits. 3 FFMA + 2 FMNMX a value (v4's one FFMA needed the exponent of max(a, 1)
 // and two constants built from it).
-NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
+// The minimum's bits are those of 2^23 + code: kE2m1MagnitudeBase + code (e2m1_magnitude_bits).
+constexpr uint32_t kE2m1MagnitudeBase = 0x4B000000u;  // float bits of 2^23
+
+NVFP4_HD uint32_t e2m1_magnitude_bits(float y) {
   constexpr float kMagic = 8388608.0f;  // 2^23: the ulp of [2^23, 2^24) is 1
 #if defined(__CUDA_ARCH__)
   // fminf(|y|, 6) is one instruction with the |.| folded in, and returns 6 for NaN.
@@ -156,7 +159,7 @@ NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
   const float fine = __fmaf_rn(a, 2.0f, kMagic);
   const float unit = __fadd_rn(a, kMagic + 2.0f);
   const float coarse = __fmaf_rn(a, 0.5f, kMagic + 4.0f);
-  return float_bits(fminf(fminf(fine, unit), coarse)) & 7u;
+  return float_bits(fminf(fminf(fine, unit), coarse));
 #else
   // min(|y|, 6) on the bits: non-negative floats order as integers, and NaN (above +Inf) -> 6.
   const uint32_t u = float_bits(y) & 0x7FFFFFFFu;
@@ -165,9 +168,11 @@ NVFP4_HD uint32_t e2m1_magnitude_code(float y) {
   const uint32_t unit = float_bits(add_rn(a, kMagic + 2.0f));
   const uint32_t coarse = float_bits(add_rn(mul_rn(a, 0.5f), kMagic + 4.0f));
   const uint32_t low = fine < unit ? fine : unit;
-  return (low < coarse ? low : coarse) & 7u;
+  return low < coarse ? low : coarse;
 #endif
 }
+
+NVFP4_HD uint32_t e2m1_magnitude_code(float y) { return e2m1_magnitude_bits(y) & 7u; }
 
 NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
   if (a <= 0.25f) return 0;
@@ -178,14 +183,6 @@ NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
   if (a < 3.5f) return 5;
   if (a <= 5.0f) return 6;
   return 7;
-}
-
-// Code of one element: magnitude of x * out_scale, sign bit of x. out_scale is never negative
-// (docs/format.md §2 step 5 divides two factors of the same sign), so this is the sign of y
-// wherever y is a number; for a NaN y it makes the sign deterministic (the sign of a NaN
-// product is not portable between x86, CUDA and XLA).
-NVFP4_HD uint8_t e2m1_code(float x, float out_scale) {
-  return uint8_t(((float_bits(x) >> 28) & 8u) | e2m1_magnitude_code(mul_rn(x, out_scale)));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -296,11 +293,59 @@ NVFP4_HD BlockScale block_scale(float amax, StoreFactor f, float recip_denominat
 // The block's 16 codes at out_scale, packed as stored: two little-endian words, element 2k in
 // the low nibble of byte k (docs/format.md §2 step 7). Packed, two candidates' codes take 4
 // registers, not 32 (4over6 spilled with byte arrays).
-NVFP4_HD void block_codes(const float* x, float out_scale, uint32_t (&packed)[2]) {
-  packed[0] = packed[1] = 0u;
-  for (int i = 0; i < kBlockElems; ++i)
-    packed[i / 8] |= uint32_t(e2m1_code(x[i], out_scale)) << (4 * (i % 8));
+//
+// Each word's magnitudes in one instruction a value: the bits of e2m1_magnitude_bits
+// (kE2m1MagnitudeBase + code) shifted and added whole, one shift-add each, and the constant
+// their high bits leave removed once (shifts and sums distribute modulo 2^32; the codes'
+// nibbles never carry). The sign bits come in whole words (block_signs): the same for every
+// candidate scale. (Masking each magnitude to its 3 bits, then or-ing in its sign and the
+// shifted code took four instructions a value.)
+NVFP4_HD uint32_t packed_magnitude_base() {
+  uint32_t base = 0;
+  for (int j = 0; j < 8; ++j) base += kE2m1MagnitudeBase << (4 * j);
+  return base;
 }
+
+NVFP4_HD void block_codes(const float* x, float out_scale, const uint32_t (&signs)[2],
+                          uint32_t (&packed)[2]) {
+  for (int w = 0; w < 2; ++w) {
+    uint32_t magnitudes = 0;
+    for (int j = 7; j >= 0; --j)
+      magnitudes = (magnitudes << 4) + e2m1_magnitude_bits(mul_rn(x[8 * w + j], out_scale));
+    packed[w] = (magnitudes - packed_magnitude_base()) | signs[w];
+  }
+}
+
+// The codes' sign bits (docs/format.md §2 step 6), each element's at bit 3 of its nibble of
+// block_codes' words: the sign of x, not of the product x * out_scale. out_scale is never
+// negative (§2 step 5 divides two factors of the same sign), so the two agree wherever the
+// product is a number, and a NaN product's sign is not portable between x86, CUDA and XLA.
+NVFP4_HD void block_signs(const float* x, uint32_t (&signs)[2]) {
+  for (int w = 0; w < 2; ++w) {
+    signs[w] = 0;
+    for (int j = 0; j < 8; ++j)
+      signs[w] |= (float_bits(x[8 * w + j]) >> (28 - 4 * j)) & (8u << (4 * j));
+  }
+}
+
+#if defined(__CUDACC__)
+// The same from the block's 16-bit inputs (bf16 or fp16 bits, element 2k in the low half of
+// word k), whose sign bits the widening keeps: byte permutes gather the bytes that hold them,
+// even elements' and odd elements' apart, and two masks place them (7 instructions a word
+// where block_signs takes 16).
+__device__ __forceinline__ void block_signs_of_halves(const uint32_t (&words)[8],
+                                                      uint32_t (&signs)[2]) {
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+    // Bytes 1 and 3 of each word hold the signs of its low and high half in their bit 7.
+    const uint32_t e0213 = __byte_perm(words[4 * w], words[4 * w + 1], 0x7351);
+    const uint32_t e4657 = __byte_perm(words[4 * w + 2], words[4 * w + 3], 0x7351);
+    const uint32_t even = __byte_perm(e0213, e4657, 0x5410);  // elements 0 2 4 6, bit 8k + 7
+    const uint32_t odd = __byte_perm(e0213, e4657, 0x7632);   // elements 1 3 5 7, bit 8k + 7
+    signs[w] = ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+  }
+}
+#endif
 
 // Reconstruction error of docs/format.md §3 of the block stored as `packed` (block_codes) with
 // out_scale: pairwise in element order, each operation rounded alone.
@@ -331,17 +376,17 @@ struct QuantizedBlock {
 };
 
 // The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3) and
-// its codes: with 4over6 each candidate's codes are computed once, for its error and, if
-// chosen, the output.
-NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch search,
-                                 uint32_t (&code)[2]) {
+// its codes (`signs`: block_signs'): with 4over6 each candidate's codes are computed once, for
+// its error and, if chosen, the output.
+NVFP4_HD BlockScale chosen_block(const float* x, const uint32_t (&signs)[2], StoreFactor f,
+                                 ScaleSearch search, uint32_t (&code)[2]) {
   const float amax = block_amax(x);
   BlockScale chosen = block_scale(amax, f, kRecip6);
-  block_codes(x, chosen.out_scale, code);
+  block_codes(x, chosen.out_scale, signs, code);
   if (search == ScaleSearch::k4Over6) {
     const BlockScale four = block_scale(amax, f, kRecip4);
     uint32_t four_code[2];
-    block_codes(x, four.out_scale, four_code);
+    block_codes(x, four.out_scale, signs, four_code);
     if (block_error(x, four_code, four.out_scale) < block_error(x, code, chosen.out_scale)) {
       chosen = four;
       code[0] = four_code[0], code[1] = four_code[1];
@@ -350,9 +395,10 @@ NVFP4_HD BlockScale chosen_block(const float* x, StoreFactor f, ScaleSearch sear
   return chosen;
 }
 
-NVFP4_HD QuantizedBlock quantize_block(const float* x, StoreFactor f, ScaleSearch search) {
+NVFP4_HD QuantizedBlock quantize_block(const float* x, const uint32_t (&signs)[2],
+                                       StoreFactor f, ScaleSearch search) {
   uint32_t code[2];
-  const BlockScale chosen = chosen_block(x, f, search, code);
+  const BlockScale chosen = chosen_block(x, signs, f, search, code);
   return {chosen.byte, {code[0], code[1]}};
 }
 
@@ -367,8 +413,11 @@ template <ScaleSearch kSearch>
 inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scales,
                             uint8_t* packed) {
   uint32_t code[kMaxBatchBlocks][2];
-  for (int b = 0; b < n; ++b)
-    scales[b] = chosen_block(x + b * kBlockElems, f, kSearch, code[b]).byte;
+  for (int b = 0; b < n; ++b) {
+    uint32_t signs[2];
+    block_signs(x + b * kBlockElems, signs);
+    scales[b] = chosen_block(x + b * kBlockElems, signs, f, kSearch, code[b]).byte;
+  }
   for (int b = 0; b < n; ++b)
     for (int k = 0; k < kBlockBytes; ++k)
       packed[b * kBlockBytes + k] = uint8_t(code[b][k / 4] >> (8 * (k % 4)));

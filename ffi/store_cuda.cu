@@ -83,7 +83,9 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
       x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
       x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
     }
-    const QuantizedBlock q = quantize_block(x, factor, kSearch);
+    uint32_t signs[2];
+    block_signs_of_halves(words, signs);
+    const QuantizedBlock q = quantize_block(x, signs, factor, kSearch);
     const BlockPlacement at =
         place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
     if (aligned_data) {

@@ -45,6 +45,10 @@ from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
                                 assert_lse_close, assert_out_close)
 
 F32_REL = 4e-6
+# The relative L2 error per token of the float32 jnp path against float64: up to 2.6e-6 measured
+# (head size 256, a few hundred positions: the property test's examples, hypothesis 6.170,
+# 2026-12-02), so the bound is the elementwise one.
+F32_L2 = 4e-6
 F32_LSE_ABS = 2e-5
 CPU = jax.devices("cpu")[0]
 
@@ -61,7 +65,7 @@ def _cpu(fn, *args, **kw):
         return fn(*args, **kw)
 
 
-def assert_matches_float64(out, ref, dtype, ends, rel=F32_REL, l2=2e-6):
+def assert_matches_float64(out, ref, dtype, ends, rel=F32_REL, l2=F32_L2):
     """Per query token: within float32 arithmetic of the float64 reference (plus the output's
     rounding for bf16/fp16); tokens that attend to nothing are exactly 0."""
     out = _f64(out)
