@@ -51,13 +51,14 @@ NB_MODULE(_ffi, m) {
   }, "Ragged-attention handlers by XLA platform name (CUDA only; the CPU runs the jnp path).");
   m.def("_e2m1_code_mismatches", []() {
     // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
-    // the comparison table of docs/format.md §2 step 6 on |y|. Returns how many differ (the
-    // test expects 0).
+    // the comparison table of docs/format.md §2 step 6 on |y|, all of its bits (2^23 + code,
+    // as block_codes packs them). Returns how many differ (the test expects 0).
     uint64_t mismatches = 0;
     for (uint32_t u = 0; u <= 0x7FFFFFFFu; ++u) {
-      const uint32_t ladder = nvfp4::e2m1_magnitude_code_ladder(nvfp4::bits_float(u));
-      mismatches += nvfp4::e2m1_magnitude_code(nvfp4::bits_float(u)) != ladder;
-      mismatches += nvfp4::e2m1_magnitude_code(nvfp4::bits_float(u | 0x80000000u)) != ladder;
+      const uint32_t want =
+          nvfp4::kE2m1MagnitudeBase + nvfp4::e2m1_magnitude_code_ladder(nvfp4::bits_float(u));
+      mismatches += nvfp4::e2m1_magnitude_bits(nvfp4::bits_float(u)) != want;
+      mismatches += nvfp4::e2m1_magnitude_bits(nvfp4::bits_float(u | 0x80000000u)) != want;
     }
     return mismatches;
   }, "Self-check of the numerics header (slow: every non-negative float).");

@@ -148,7 +148,10 @@ NVFP4_HD float e2m1_magnitude(uint8_t code) {
 // multiply-add; the three sums share the exponent of 2^23, so their minimum as floats is that
 // of their low bits. 3 FFMA + 2 FMNMX a value (v4's one FFMA needed the exponent of max(a, 1)
 // and two constants built from it).
-// The minimum's bits are those of 2^23 + code: kE2m1MagnitudeBase + code (e2m1_magnitude_bits).
+// The minimum's bits are those of 2^23 + code: kE2m1MagnitudeBase + code, never more (a is in
+// [0, 6]: NaN and Inf clamp to 6; a signalling NaN y too, as fminf and the host's integer
+// minimum return the number), which block_codes' packing relies on; the self-checks
+// (bindings.cc, store_cuda.cu) compare all of these bits with the ladder on every float.
 constexpr uint32_t kE2m1MagnitudeBase = 0x4B000000u;  // float bits of 2^23
 
 NVFP4_HD uint32_t e2m1_magnitude_bits(float y) {
@@ -171,8 +174,6 @@ NVFP4_HD uint32_t e2m1_magnitude_bits(float y) {
   return low < coarse ? low : coarse;
 #endif
 }
-
-NVFP4_HD uint32_t e2m1_magnitude_code(float y) { return e2m1_magnitude_bits(y) & 7u; }
 
 NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
   if (a <= 0.25f) return 0;

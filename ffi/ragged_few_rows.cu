@@ -59,6 +59,7 @@ constexpr int kFewRowsSmem =
     : kStagedBytes<kHead, kFewRowsStagedSlots> >= 4 * kMergeFloats<kHead, kFewRows>
         ? kStagedBytes<kHead, kFewRowsStagedSlots>
         : 4 * kMergeFloats<kHead, kFewRows>;
+static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
 // count, so that no loop over the rows branches).

@@ -202,7 +202,7 @@ __global__ void E2m1SelfCheckKernel(unsigned long long* mismatches) {
   for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull;
        u += uint64_t(gridDim.x) * blockDim.x) {
     const float y = bits_float(uint32_t(u));
-    local += e2m1_magnitude_code(y) != e2m1_magnitude_code_ladder(abs_f(y));
+    local += e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
   }
   atomicAdd(mismatches, local);
 }
