@@ -91,9 +91,9 @@ __device__ __forceinline__ void e2m1x8_to_f16x2(uint32_t w, uint32_t (&r)[4]) {
   uint32_t even, odd;
   asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(even) : "r"(w), "n"(0x0F0F0F0F));
   asm("lop3.b32 %0, %1, %2, 0, 0xC0;\n" : "=r"(odd) : "r"(w), "n"(0xF0F0F0F0));
-  r[0] = or_and<kKeep>((even << 9), (even << 12));
-  r[1] = or_and<kKeep>((even << 1), (even << 4));
-  r[2] = or_and<kKeep>((odd << 5), (odd << 8));
+  r[0] = or_and<kKeep>(even << 9, even << 12);
+  r[1] = or_and<kKeep>(even << 1, even << 4);
+  r[2] = or_and<kKeep>(odd << 5, odd << 8);
   r[3] = or_and<kKeep>(odd >> 3, odd);
 }
 

@@ -469,6 +469,16 @@ __device__ __forceinline__ void attend_chunks_staged(
 template <int kHead, int kRows>
 constexpr int kMergeFloats = kChunkWarps * kRows * (2 + kHead);
 
+// Dynamic shared memory of a CTA whose warps run attend_chunks_staged with kSlots slots each,
+// then merge_warps over kRows rows in the same bytes (after a barrier): the larger of the two.
+// 0 for kSlots = 0 (attend_chunks: the loads into registers).
+template <int kHead, int kSlots, int kRows>
+constexpr int kStagedSmem =
+    kSlots == 0 ? 0
+                : (kStagedBytes<kHead, kSlots> >= 4 * kMergeFloats<kHead, kRows>
+                       ? kStagedBytes<kHead, kSlots>
+                       : 4 * kMergeFloats<kHead, kRows>);
+
 // Merges the warps' states: each writes its state to `smem` (kMergeFloats<kHead, 8 kNT> floats),
 // then for each of the first `rows` rows and each head dim one thread combines the warps
 // (weights 2^(m_w - max)) and calls emit(row, dim, value, lse2): value = the row's output

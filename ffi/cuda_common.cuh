@@ -77,14 +77,21 @@ cudaError_t ConfigureSharedMemory(int bytes) {
   });
 }
 
-// CTAs of `kernel` (launched with `threads` threads and `smem_bytes` of dynamic shared memory,
-// configured first where it needs more than the default) that fit on one SM of the current
-// GPU, as the split plans ask (0, the error cleared, if CUDA fails).
-template <typename Kernel>
-int ResidentCtasPerSm(Kernel kernel, int threads, int smem_bytes) {
+// The same where the kernel takes any dynamic shared memory; nothing to set where it takes none.
+template <auto kKernel>
+cudaError_t ConfigureDynamicSmem(int bytes) {
+  return bytes > 0 ? ConfigureSharedMemory<kKernel>(bytes) : cudaSuccess;
+}
+
+// CTAs of kKernel (launched with `threads` threads and `smem_bytes` of dynamic shared memory,
+// configured first: ConfigureDynamicSmem) that fit on one SM of the current GPU, as the split
+// plans ask (0, the error cleared, if CUDA fails).
+template <auto kKernel>
+int ResidentCtasPerSm(int threads, int smem_bytes) {
   int ctas = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, threads, smem_bytes) !=
-      cudaSuccess) {
+  if (ConfigureDynamicSmem<kKernel>(smem_bytes) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kKernel, threads, smem_bytes) !=
+          cudaSuccess) {
     cudaGetLastError();
     return 0;
   }

@@ -69,7 +69,7 @@ constexpr int kStagedSlots = NVFP4_DECODE_STAGED;
 constexpr bool kStaged = kStagedSlots > 0;
 // Dynamic shared memory a CTA takes: the staged slots, which the warps' merge then reuses.
 template <int kHead>
-constexpr int kDynamicSmem = kStaged ? kStagedBytes<kHead, kStagedSlots> : 0;
+constexpr int kDynamicSmem = kStagedSmem<kHead, kStagedSlots, kHeadsPerCta>;
 
 
 // CTAs per SM the registers are budgeted for (warps to hide latency against registers per
@@ -238,8 +238,6 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
     float* merge_smem;
     if constexpr (kStaged) {
       extern __shared__ __align__(16) uint8_t staged_slots[];
-      static_assert(kDynamicSmem<kHead> >= 4 * kMergeFloats<kHead, kHeadsPerCta>,
-                    "the merge reuses the slots");
       attend_chunks_staged<kStagedSlots, kHead, kSwizzle, kLayout, 1>(
           pv, uint32_t(begin), uint32_t(end), uint32_t(end), limit, qf, score_scale, warp, lane,
           first_pages, staged_slots, st);
@@ -328,10 +326,7 @@ cudaError_t AllowLargeClusters() {
 // The kernel's dynamic shared memory where it takes some (staged), once per device.
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t ConfigureDecode() {
-  if constexpr (kStaged)
-    return ConfigureSharedMemory<DecodeKernel<kHead, kSwizzle, kLayout>>(
-        kDynamicSmem<kHead>);
-  return cudaSuccess;
+  return ConfigureDynamicSmem<DecodeKernel<kHead, kSwizzle, kLayout>>(kDynamicSmem<kHead>);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -467,12 +462,8 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
 
 template <int kHead>
 int ResidentCtas() {
-  if (ConfigureDecode<kHead, true, Layout::kHND>() != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return ResidentCtasPerSm(DecodeKernel<kHead, true, Layout::kHND>, kThreads,
-                           kDynamicSmem<kHead>);
+  return ResidentCtasPerSm<DecodeKernel<kHead, true, Layout::kHND>>(kThreads,
+                                                                     kDynamicSmem<kHead>);
 }
 
 }  // namespace

@@ -467,12 +467,8 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
 
 template <int kHead>
 int ResidentCtas() {
-  if (Configure<kHead, true, Layout::kHND>() != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return ResidentCtasPerSm(RaggedKernel<kHead, true, Layout::kHND>, kThreads,
-                           RaggedShape<kHead>::kSmemBytes);
+  return ResidentCtasPerSm<RaggedKernel<kHead, true, Layout::kHND>>(
+      kThreads, RaggedShape<kHead>::kSmemBytes);
 }
 
 }  // namespace

@@ -51,14 +51,9 @@ constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
 #endif
 constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
 constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
-// Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses
-// (at least its kMergeFloats).
+// Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses.
 template <int kHead>
-constexpr int kFewRowsSmem =
-    !kFewRowsStaged ? 0
-    : kStagedBytes<kHead, kFewRowsStagedSlots> >= 4 * kMergeFloats<kHead, kFewRows>
-        ? kStagedBytes<kHead, kFewRowsStagedSlots>
-        : 4 * kMergeFloats<kHead, kFewRows>;
+constexpr int kFewRowsSmem = kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
 static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
@@ -205,18 +200,10 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
                                                smem);
 }
 
-// The kernel's dynamic shared memory where it takes some (staged), once per device.
-template <int kHead, bool kSwizzle, Layout kLayout>
-cudaError_t ConfigureFewRows() {
-  if constexpr (kFewRowsStaged)
-    return ConfigureSharedMemory<FewRowsKernel<kHead, kSwizzle, kLayout>>(kFewRowsSmem<kHead>);
-  return cudaSuccess;
-}
-
 template <int kHead, bool kSwizzle, Layout kLayout>
 cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   constexpr auto kernel = FewRowsKernel<kHead, kSwizzle, kLayout>;
-  const cudaError_t configured = ConfigureFewRows<kHead, kSwizzle, kLayout>();
+  const cudaError_t configured = ConfigureDynamicSmem<kernel>(kFewRowsSmem<kHead>);
   if (configured != cudaSuccess) {
     cudaGetLastError();  // reported here, not by the next launch's check
     return configured;
@@ -243,12 +230,8 @@ int FewRowsResidentCtasPerSm(int head_size) {
           return 0;
         } else {
           constexpr int kHeadSize = decltype(head)::value;
-          if (ConfigureFewRows<kHeadSize, true, Layout::kHND>() != cudaSuccess) {
-            cudaGetLastError();
-            return 0;
-          }
-          return ResidentCtasPerSm(FewRowsKernel<kHeadSize, true, Layout::kHND>, kThreads,
-                                   kFewRowsSmem<kHeadSize>);
+          return ResidentCtasPerSm<FewRowsKernel<kHeadSize, true, Layout::kHND>>(
+              kThreads, kFewRowsSmem<kHeadSize>);
         }
       },
       0);
