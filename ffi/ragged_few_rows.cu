@@ -43,11 +43,12 @@ constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each)
 #endif
 constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
 // The chunks' bytes staged through shared memory, NVFP4_FEW_ROWS_STAGED chunks ahead per warp
-// (attend_chunks_staged: the decode kernel's default since decode v8, 4-6% faster there at
-// long contexts); 0, the default until it is measured on a GPU: the loads into registers.
-// -DNVFP4_FEW_ROWS_STAGED=N in CMAKE_CUDA_FLAGS.
+// (attend_chunks_staged, the decode kernel's since decode v8); 0: the loads into registers.
+// Measured on an H200, 2026-12-02, spec 32 x 4 over 8192 with max_q_len: 169.4 us with the
+// loads into registers, 154.9 with 2 slots, 156.1 with 3 (the decode kernel 127-130 in the
+// same runs). -DNVFP4_FEW_ROWS_STAGED=N in CMAKE_CUDA_FLAGS.
 #ifndef NVFP4_FEW_ROWS_STAGED
-#define NVFP4_FEW_ROWS_STAGED 0
+#define NVFP4_FEW_ROWS_STAGED 2
 #endif
 constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
 constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
