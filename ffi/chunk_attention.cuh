@@ -81,35 +81,23 @@ __device__ __forceinline__ LaneQ<kHead> load_lane_q(const void* q, QType q_type,
 // The lane's q scaled by 2^e into fp16 (e from the row's amax) and laid out as the B fragments
 // of S^T = K Q^T (k-step 2w + e: dims 8w + e + {0, 4} and {2, 6}, the order of the K
 // fragments). score_scale gets the scales of the lane's columns 2q and 2q + 1:
-// k_scale * sm_scale * log2(e) * 2^(7 - e_row). kParts > 1 (paired warps): the fragments of
-// part `part` of the lane's dims only (the K words RegisterFetch<kHead, ., kParts> loads), e
-// still from the whole row, so that the parts' scores add up.
-template <int kHead, int kParts = 1>
+// k_scale * sm_scale * log2(e) * 2^(7 - e_row).
+template <int kHead>
 __device__ __forceinline__ void q_fragments(const LaneQ<kHead>& x, float k_times_sm_scale,
-                                            int lane,
-                                            uint32_t (&qf)[Shape<kHead>::kKTiles / kParts][2],
-                                            float (&score_scale)[2], int part = 0) {
-  constexpr int kDims = kHead / 4, kPartDims = kDims / kParts;
+                                            int lane, uint32_t (&qf)[Shape<kHead>::kKTiles][2],
+                                            float (&score_scale)[2]) {
+  constexpr int kDims = kHead / 4;
   const int qd = lane & 3;
+  const float* qv = x.v;
   float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < kDims; ++i) amax = fmaxf(amax, fabsf(x.v[i]));
+  for (int i = 0; i < kDims; ++i) amax = fmaxf(amax, fabsf(qv[i]));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
   const int exponent = q_exponent(amax);
   const PowerOfTwo times(exponent);
-  // The part's dims (selected, not indexed: a register array indexed at run time would go to
-  // local memory).
-  float qv[kPartDims];
 #pragma unroll
-  for (int i = 0; i < kPartDims; ++i) {
-    qv[i] = x.v[i];
-#pragma unroll
-    for (int k = 1; k < kParts; ++k)
-      if (part == k) qv[i] = x.v[k * kPartDims + i];
-  }
-#pragma unroll
-  for (int w = 0; w < kPartDims / 8; ++w)
+  for (int w = 0; w < kDims / 8; ++w)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const float* v = qv + 8 * w + e;
@@ -327,31 +315,21 @@ __device__ __forceinline__ void column_sums(WarpState<kHead, kNT>& st) {
         st.l[t][h] += __shfl_xor_sync(0xFFFFFFFFu, st.l[t][h], delta);
 }
 
-// A chunk's scores as they are (attend_chunk's `combine` where one warp has every head dim).
-struct WholeScores {
-  template <typename Scores>
-  __device__ __forceinline__ void operator()(Scores&) const {}
-};
-
 // One chunk's attention, from the chunk's registers (c: K before the scores, V before the
 // values) into the warp's state: S^T, the online softmax, O^T += V^T P^T. after_scores runs
 // once c's K has been used, after_values once its V has (the loops refill c or its slot
-// there); combine(s) then completes the scores (paired warps: adds the partner's part);
-// `masked`: the chunk reaches past mask_from.
-template <int kHead, int kNT, typename QFragments, typename AfterScores, typename AfterValues,
-          typename Combine = WholeScores>
+// there); `masked`: the chunk reaches past mask_from.
+template <int kHead, int kNT, typename QFragments, typename AfterScores, typename AfterValues>
 __device__ __forceinline__ void attend_chunk(const Chunk<kHead>& c, const QFragments& qf,
                                              const float (&score_scale)[kNT][2],
                                              const uint32_t (&limit)[kNT][2], uint32_t base,
                                              bool masked, int lane, WarpState<kHead, kNT>& st,
                                              AfterScores&& after_scores,
-                                             AfterValues&& after_values,
-                                             Combine&& combine = WholeScores{}) {
+                                             AfterValues&& after_values) {
   using S = Shape<kHead>;
   float s[S::kTiles][kNT][4];
   chunk_scores<kHead, kNT>(c, qf, score_scale, s);
   after_scores();
-  combine(s);
   uint32_t p0[kNT][S::kTiles], p1[kNT][S::kTiles];
   chunk_softmax<kHead, kNT>(s, st, base, masked, limit, lane, p0, p1);
   chunk_accumulate<kHead, kNT>(c, st, p0, p1);
@@ -363,12 +341,8 @@ __device__ __forceinline__ void attend_chunk(const Chunk<kHead>& c, const QFragm
 // computed, its V once this chunk's values are accumulated; block-table entries are read a
 // chunk ahead of that (the first chunk's, `first`, from first_chunk_pages). `mask_from`: chunks
 // reaching past it are masked by the columns' limits (positions past `end` are never loaded:
-// zeros). kParts > 1 (paired warps): the kChunkWarps / kParts teams of kParts warps take
-// chunks team, team + kChunkWarps / kParts, ..., each warp of a team its `part` of the head
-// dims (q's fragments, the chunk's registers and the state of kHead / kParts dims), and
-// combine(s) adds the team's parts of each chunk's scores.
-template <int kHead, bool kSwizzle, Layout kLayout, int kNT, int kParts = 1, typename QFragments,
-          typename Combine = WholeScores>
+// zeros).
+template <int kHead, bool kSwizzle, Layout kLayout, int kNT, typename QFragments>
 __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint32_t begin,
                                               uint32_t end, uint32_t mask_from,
                                               const uint32_t (&limit)[kNT][2],
@@ -376,43 +350,32 @@ __device__ __forceinline__ void attend_chunks(const PageView<kLayout>& pv, uint3
                                               const float (&score_scale)[kNT][2], int warp,
                                               int lane,
                                               const TilePages<Shape<kHead>::kTiles>& first,
-                                              WarpState<kHead / kParts, kNT>& st,
-                                              Combine&& combine = WholeScores{}) {
+                                              WarpState<kHead, kNT>& st) {
   using S = Shape<kHead>;
-  constexpr int kTeams = kChunkWarps / kParts;
-  const int team = warp / kParts, part = warp % kParts;
   const int num_chunks = int((end - begin + S::kChunk - 1) / S::kChunk);
   const auto chunk_base = [&](int chunk) { return begin + uint32_t(chunk * S::kChunk); };
-  const auto load = [&](auto kind, const TilePages<S::kTiles>& at, uint32_t base,
-                        Chunk<kHead / kParts>& into) {
-    load_chunk<decltype(kind)::value, kHead, kSwizzle, kParts>(into, pv, at, base, end, lane,
-                                                               part);
-  };
-  using K = std::integral_constant<Part, Part::kK>;
-  using V = std::integral_constant<Part, Part::kV>;
-  Chunk<kHead / kParts> c;
-  int chunk = team;
+  Chunk<kHead> c;
+  int chunk = warp;
   TilePages<S::kTiles> pages = first;
   if (chunk < num_chunks) {
-    load(K{}, pages, chunk_base(chunk), c);
-    load(V{}, pages, chunk_base(chunk), c);
+    load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
+    load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, chunk_base(chunk), end, lane);
   }
-  pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk + kTeams), end);
+  pages = fetch_pages<S::kTiles>(pv, chunk_base(chunk + kChunkWarps), end);
 #pragma unroll 1
-  for (; chunk < num_chunks; chunk += kTeams) {
+  for (; chunk < num_chunks; chunk += kChunkWarps) {
     const TilePages<S::kTiles> later =
-        fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kTeams), end);
-    const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kTeams);
-    const bool has_next = chunk + kTeams < num_chunks;
-    attend_chunk<kHead / kParts, kNT>(
+        fetch_pages<S::kTiles>(pv, chunk_base(chunk + 2 * kChunkWarps), end);
+    const uint32_t base = chunk_base(chunk), next = chunk_base(chunk + kChunkWarps);
+    const bool has_next = chunk + kChunkWarps < num_chunks;
+    attend_chunk<kHead, kNT>(
         c, qf, score_scale, limit, base, base + S::kChunk > mask_from, lane, st,
         [&] {
-          if (has_next) load(K{}, pages, next, c);
+          if (has_next) load_chunk<Part::kK, kHead, kSwizzle>(c, pv, pages, next, end, lane);
         },
         [&] {
-          if (has_next) load(V{}, pages, next, c);
-        },
-        combine);
+          if (has_next) load_chunk<Part::kV, kHead, kSwizzle>(c, pv, pages, next, end, lane);
+        });
     pages = later;
   }
   column_sums(st);
@@ -502,9 +465,9 @@ __device__ __forceinline__ void attend_chunks_staged(
   column_sums(st);
 }
 
-// Shared memory (floats) the warps' merge takes for kRows rows (kParts: merge_warps').
-template <int kHead, int kRows, int kParts = 1>
-constexpr int kMergeFloats = kChunkWarps / kParts * kRows * (2 + kHead);
+// Shared memory (floats) the warps' merge takes for kRows rows.
+template <int kHead, int kRows>
+constexpr int kMergeFloats = kChunkWarps * kRows * (2 + kHead);
 
 // Dynamic shared memory of a CTA whose warps run attend_chunks_staged with kSlots slots each,
 // then merge_warps over kRows rows in the same bytes (after a barrier): the larger of the two.
@@ -516,38 +479,33 @@ constexpr int kStagedSmem =
                        ? kStagedBytes<kHead, kSlots>
                        : 4 * kMergeFloats<kHead, kRows>);
 
-// Merges the warps' states: each writes its state to `smem` (kMergeFloats<kHead, 8 kNT, kParts>
-// floats), then for each of the first `rows` rows and each head dim one thread combines the
-// warps (weights 2^(m_w - max)) and calls emit(row, dim, value, lse2): value = the row's output
-// over its sum (0/0 = NaN where no position counted), lse2 its log2 lse (-inf then). kParts > 1:
-// the teams of attend_chunks<., kParts>, whose warps share m and l and each hold the O^T of
-// their part of the dims (lane_dim's m-tiles part * kKTiles / kParts on).
-template <int kHead, int kNT, int kParts = 1, typename Emit>
-__device__ __forceinline__ void merge_warps(const WarpState<kHead / kParts, kNT>& st,
-                                            float* smem, int rows, int warp, int lane,
-                                            Emit&& emit) {
-  constexpr int kRows = 8 * kNT, kTeams = kChunkWarps / kParts;
-  constexpr int kPartTiles = Shape<kHead>::kKTiles / kParts;
-  float* shared_m = smem;                        // [team][row]
-  float* shared_l = shared_m + kTeams * kRows;   // [team][row]
-  float* shared_o = shared_l + kTeams * kRows;   // [team][row][dim]
+// Merges the warps' states: each writes its state to `smem` (kMergeFloats<kHead, 8 kNT> floats),
+// then for each of the first `rows` rows and each head dim one thread combines the warps
+// (weights 2^(m_w - max)) and calls emit(row, dim, value, lse2): value = the row's output
+// over its sum (0/0 = NaN where no position counted), lse2 its log2 lse (-inf then).
+template <int kHead, int kNT, typename Emit>
+__device__ __forceinline__ void merge_warps(const WarpState<kHead, kNT>& st, float* smem,
+                                            int rows, int warp, int lane, Emit&& emit) {
+  constexpr int kRows = 8 * kNT;
+  float* shared_m = smem;                             // [warp][row]
+  float* shared_l = shared_m + kChunkWarps * kRows;   // [warp][row]
+  float* shared_o = shared_l + kChunkWarps * kRows;   // [warp][row][dim]
   const int g = lane >> 2, qd = lane & 3;
-  const int team = warp / kParts, part = warp % kParts;
 #pragma unroll
   for (int t = 0; t < kNT; ++t) {
-    if (g == 0 && part == 0) {
+    if (g == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        shared_m[team * kRows + 8 * t + 2 * qd + h] = st.m[t][h];
-        shared_l[team * kRows + 8 * t + 2 * qd + h] = st.l[t][h];
+        shared_m[warp * kRows + 8 * t + 2 * qd + h] = st.m[t][h];
+        shared_l[warp * kRows + 8 * t + 2 * qd + h] = st.l[t][h];
       }
     }
 #pragma unroll
-    for (int i = 0; i < kPartTiles; ++i) {
-      const int dim = lane_dim<kHead>(g, part * kPartTiles + i);
+    for (int i = 0; i < Shape<kHead>::kKTiles; ++i) {
+      const int dim = lane_dim<kHead>(g, i);
 #pragma unroll
       for (int r = 0; r < 4; ++r)
-        shared_o[(team * kRows + 8 * t + 2 * qd + (r & 1)) * kHead + dim + (r >> 1)] =
+        shared_o[(warp * kRows + 8 * t + 2 * qd + (r & 1)) * kHead + dim + (r >> 1)] =
             st.o[i][t][r];
     }
   }
@@ -557,11 +515,11 @@ __device__ __forceinline__ void merge_warps(const WarpState<kHead / kParts, kNT>
     const int row = i / kHead, d = i % kHead;
     float top = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kTeams; ++w) top = fmaxf(top, shared_m[w * kRows + row]);
+    for (int w = 0; w < kChunkWarps; ++w) top = fmaxf(top, shared_m[w * kRows + row]);
     const float offset = top == -INFINITY ? 0.f : top;
     float sum = 0.f, acc = 0.f;
 #pragma unroll
-    for (int w = 0; w < kTeams; ++w) {
+    for (int w = 0; w < kChunkWarps; ++w) {
       const float weight = exp2_approx(shared_m[w * kRows + row] - offset);
       sum += weight * shared_l[w * kRows + row];
       acc += weight * shared_o[(w * kRows + row) * kHead + d];

@@ -85,34 +85,25 @@ __device__ __forceinline__ int v_scale_block(int g, int b) {
 // swizzled the two adjacent bytes at `at`, linear one byte at `at` and one at `at_next`; the
 // second only where `second` (p + 1 < end).
 
-// kParts > 1 (the few-row kernel's paired warps, ragged_few_rows.cu): the lane's bytes of one
-// part of the head dims only, into a Chunk of kHead / kParts (its shapes: one part's words and
-// scale bytes, in the same order): `part` of each lane's K and V codes and K scale bytes (each
-// lane's K dims are one run, its V dims another, so a part is a sub-run of each); a V scale
-// byte covers 16 dims, which both parts share (kParts <= kHead / 64).
-template <int kHead, bool kSwizzle, int kParts = 1>
+template <int kHead, bool kSwizzle>
 struct RegisterFetch {
-  using S = Shape<kHead / kParts>;  // the registers' shapes
-  static_assert(kParts == 1 || (Shape<kHead>::kVBlocks == 1 && S::kTiles == Shape<kHead>::kTiles &&
-                                S::kKScaleBytes >= 1 && S::kVWords >= 1),
-                "a part holds whole words, scale bytes and V scale blocks");
-  Chunk<kHead / kParts>& c;
-  int part = 0;
+  using S = Shape<kHead>;
+  Chunk<kHead>& c;
 
   __device__ __forceinline__ void k_code(int i, const uint8_t* src, bool valid) const {
     if (valid) {
-      load_words<kHead / 8 / kParts>(src + part * (kHead / 8 / kParts), c.k[i]);
+      load_words<kHead / 8>(src, c.k[i]);
     } else {
 #pragma unroll
       for (int w = 0; w < S::kKWords; ++w) c.k[i][w] = 0;
     }
   }
   __device__ __forceinline__ void k_scale(int i, const uint8_t* at, bool valid) const {
-    c.k_scale[i] = valid ? load_small<S::kKScaleBytes>(at + part * S::kKScaleBytes) : 0u;
+    c.k_scale[i] = valid ? load_small<S::kKScaleBytes>(at) : 0u;
   }
   __device__ __forceinline__ void v_code(int i, int t, const uint8_t* src, bool valid) const {
     if (valid) {
-      load_words<kHead / 16 / kParts>(src + part * (kHead / 16 / kParts), c.v[i][t]);
+      load_words<kHead / 16>(src, c.v[i][t]);
     } else {
 #pragma unroll
       for (int w = 0; w < S::kVWords; ++w) c.v[i][t][w] = 0;
@@ -393,13 +384,12 @@ __device__ __forceinline__ void fetch_chunk(const Fetch& f, const PageView<kLayo
 }
 
 // A chunk's Part straight into c's registers.
-// kParts > 1: part `part` of the lane's head dims (RegisterFetch), into a Chunk of kHead / kParts.
-template <Part kPart, int kHead, bool kSwizzle, int kParts = 1, Layout kLayout>
-__device__ __forceinline__ void load_chunk(Chunk<kHead / kParts>& c, const PageView<kLayout>& pv,
+template <Part kPart, int kHead, bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void load_chunk(Chunk<kHead>& c, const PageView<kLayout>& pv,
                                            const TilePages<Shape<kHead>::kTiles>& pages,
-                                           uint32_t base, uint32_t end, int lane, int part = 0) {
-  fetch_chunk<kPart, kHead, kSwizzle>(RegisterFetch<kHead, kSwizzle, kParts>{c, part}, pv, pages,
-                                      base, end, lane);
+                                           uint32_t base, uint32_t end, int lane) {
+  fetch_chunk<kPart, kHead, kSwizzle>(RegisterFetch<kHead, kSwizzle>{c}, pv, pages, base, end,
+                                      lane);
 }
 
 // K of a chunk's 16-position tile as the A fragments of S^T = K Q^T (positions in M, head

@@ -17,12 +17,12 @@ namespace {
 
 // The few-row kernel takes the sequences of 2 or more query tokens (1 or more when it runs
 // alone, p.few_rows_only) whose query rows per kv head (tokens x the GQA group) number at most
-// FewRowsLimit(head_size), head sizes up to kFewRowsMaxHead (ragged_ffi.h); the ragged and
-// pipelined kernels skip them (and the decode kernel takes those of one token).
+// kFewRows, head sizes up to kFewRowsMaxHead (ragged_ffi.h); the ragged kernel skips them (and
+// the decode kernel takes those of one token).
 __host__ __device__ __forceinline__ bool takes_few_rows(const RaggedProblem& p, int32_t q_len,
                                                         int32_t group, int64_t head_size) {
   return head_size <= kFewRowsMaxHead && q_len >= (p.few_rows_only ? 1 : 2) &&
-         q_len <= FewRowsLimit(head_size) / group;
+         q_len <= kFewRows / group;
 }
 
 // A sequence with more query tokens than the caller's bound (p.max_q_len > 0) breaks the

@@ -1,7 +1,6 @@
 // Ragged paged attention for the sequences of a few query rows (speculative decoding: 2 to 8
-// draft tokens x the GQA group, at most FewRowsLimit rows per kv head: 16, 32 at head size 128;
-// head sizes 64 and 128), launched with the ragged kernel by its handler (ragged_cuda.cu),
-// which skips them.
+// draft tokens x the GQA group, at most kFewRows = 16 rows per kv head; head sizes 64 and
+// 128), launched with the ragged kernel by its handler (ragged_cuda.cu), which skips them.
 //
 // Why a kernel of its own: such a tile is memory-bound, and the ragged kernel's path through
 // shared memory (every position converted into an fp16 tile, two CTA barriers a step, 2 CTAs
@@ -11,14 +10,6 @@
 // 8: it reads its chunks of 32 positions straight into registers, converts each K and V
 // fragment once for all the rows, and keeps its own online softmax, with no barrier until the
 // warps merge at the end. Each page is read once for all of the sequence's rows.
-//
-// 17 to 32 rows (head size 128): 4 n-tiles of one warp need 128 O^T accumulators and 64 q
-// words a lane, which do not fit. Pairs of warps share each chunk instead, each with half of
-// the head dims (attend_chunks<., kParts = 2>): each loads and converts its half of K and V
-// (the registers of head size 64), computes its half of every row's scores, adds its
-// partner's through shared memory (one 64-thread barrier a chunk), runs the same online softmax
-// on the sums (both warps: the same numbers, so the same m and l) and accumulates O^T for its
-// own dims. The conversion is still paid once per chunk for all the rows.
 //
 // Numbers as in attention_device.cuh (q to fp16 after a power-of-two scale per row, K and V
 // exact in fp16, float32 softmax and sums, P rounded to fp16). The rules (which tokens a
@@ -42,16 +33,7 @@ namespace nvfp4 {
 namespace {
 
 constexpr int kThreads = kChunkWarps * 32;
-constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each) of a warp's rows
-// Paired warps (head size kPairedHead): 2 parts of the head dims, kPairedRows / 8 n-tiles.
-constexpr int kPairParts = 2;
-constexpr int kPairNTiles = kPairedRows / 8;
-constexpr int kPairs = kChunkWarps / kPairParts;
-// A chunk's scores of one warp's part (float4s a lane): S^T's tiles x n-tiles x 4.
-constexpr int kPairScoreFloat4s = Shape<kPairedHead / kPairParts>::kTiles * kPairNTiles;
-// The pairs' score exchange (floats): per pair two chunks (alternating, so that one barrier a
-// chunk suffices) x 2 parts x 32 lanes x the scores.
-constexpr int kPairExchangeFloats = kPairs * 2 * kPairParts * 32 * 4 * kPairScoreFloat4s;
+constexpr int kNTiles = kFewRows / 8;  // n-tiles of the MMAs (8 rows each)
 // CTAs per SM the registers are budgeted for (the split plan asks the GPU how many fit:
 // FewRowsResidentCtasPerSm). Measured on an H200, 2026-12-01: 2 CTAs, 241-243 registers, spec
 // 32 x 4 over 8192 in 185 us; at 3 the kernel spills. To measure another value:
@@ -70,31 +52,20 @@ constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
 #endif
 constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
 constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
-// Shared memory of a CTA's paired warps (head size kPairedHead): the score exchange, then the
-// merge of the pairs.
-constexpr int kPairSmem = 4 * (kPairExchangeFloats > kMergeFloats<kPairedHead, kPairedRows, 2>
-                                   ? kPairExchangeFloats
-                                   : kMergeFloats<kPairedHead, kPairedRows, 2>);
-// Dynamic shared memory a CTA takes: staged, the slots, which the warps' merge then reuses;
-// the paired warps' at kPairedHead (0: none, the merge's floats are static).
+// Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses.
 template <int kHead>
-constexpr int kFewRowsSmem = kHead == kPairedHead && kPairSmem > kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>
-                                 ? kPairSmem
-                                 : kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
+constexpr int kFewRowsSmem = kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
 static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
-static_assert(kPairedHead <= kFewRowsMaxHead, "paired warps are the few-row kernel's");
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
-// count, so that no loop over the rows branches); kParts = 2: paired warps, each with half of
-// the head dims.
-template <int kHead, bool kSwizzle, Layout kLayout, int kNT, int kParts = 1>
+// count, so that no loop over the rows branches).
+template <int kHead, bool kSwizzle, Layout kLayout, int kNT>
 __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const RaggedGrid& grid,
                                                 int32_t b, int32_t kv_head, int32_t member,
                                                 int32_t split, int32_t start, int32_t q_len,
                                                 uint8_t* smem) {
   using S = Shape<kHead>;
-  static_assert(kParts == 1 ? kNT >= 1 && kNT <= kNTiles : kNT == kPairNTiles && kHead == kPairedHead,
-                "n-tiles");
+  static_assert(kNT >= 1 && kNT <= kNTiles, "n-tiles");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
   const int32_t max_num_seqs = p.max_num_seqs;
@@ -129,17 +100,15 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   uint32_t limit[kNT][2];
   const float k_times_sm_scale =
       p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
-  RegisterQ<kHead / kParts, kNT> qf;
+  RegisterQ<kHead, kNT> qf;
 #pragma unroll
   for (int t = 0; t < kNT; ++t) {
     const int r = 8 * t + g;
-    uint32_t f[S::kKTiles / kParts][2];
-    q_fragments<kHead, kParts>(
-        load_lane_q<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows, lane),
-        k_times_sm_scale, lane, f, score_scale[t], warp % kParts);
+    uint32_t f[S::kKTiles][2];
+    q_fragments<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows,
+                       k_times_sm_scale, lane, f, score_scale[t]);
 #pragma unroll
-    for (int k = 0; k < S::kKTiles / kParts; ++k)
-      qf.f[t][k][0] = f[k][0], qf.f[t][k][1] = f[k][1];
+    for (int k = 0; k < S::kKTiles; ++k) qf.f[t][k][0] = f[k][0], qf.f[t][k][1] = f[k][1];
     limit[t][0] = row_end(8 * t + 2 * qd);
     limit[t][1] = row_end(8 * t + 2 * qd + 1);
   }
@@ -160,39 +129,9 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
 
   // Positions [begin, last_end): the last row's; chunks reaching past the first row's end are
   // masked per row (every later row sees more).
-  WarpState<kHead / kParts, kNT> st;
+  WarpState<kHead, kNT> st;
   init_state(st);
-  if constexpr (kParts > 1) {
-    // The pair's exchange: [chunk parity][part][float4 j][lane], conflict-free 16-byte
-    // accesses. Partner scores are added in the same order in both warps (a + b = b + a), so
-    // the pair's softmax states stay equal.
-    const int pair = warp / kParts, part = warp % kParts;
-    float4* const exchange =
-        reinterpret_cast<float4*>(smem) + pair * (2 * kParts * 32 * kPairScoreFloat4s);
-    int parity = 0;
-    const auto add_partner = [&](auto& s) {  // s: float[tiles][kNT][4], kPairScoreFloat4s x 4
-      float* const flat = &s[0][0][0];
-      float4* const mine = exchange + (2 * parity + part) * 32 * kPairScoreFloat4s;
-      const float4* const theirs = exchange + (2 * parity + (part ^ 1)) * 32 * kPairScoreFloat4s;
-#pragma unroll
-      for (int j = 0; j < kPairScoreFloat4s; ++j)
-        mine[j * 32 + lane] =
-            make_float4(flat[4 * j], flat[4 * j + 1], flat[4 * j + 2], flat[4 * j + 3]);
-      named_sync(1 + pair, 32 * kParts);
-#pragma unroll
-      for (int j = 0; j < kPairScoreFloat4s; ++j) {
-        const float4 x = theirs[j * 32 + lane];
-        flat[4 * j] += x.x, flat[4 * j + 1] += x.y, flat[4 * j + 2] += x.z,
-            flat[4 * j + 3] += x.w;
-      }
-      parity ^= 1;
-    };
-    attend_chunks<kHead, kSwizzle, kLayout, kNT, kParts>(
-        pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
-        first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), pair), st,
-        add_partner);
-    __syncthreads();  // every pair is done with its exchange: the merge reuses it
-  } else if constexpr (kFewRowsStaged) {
+  if constexpr (kFewRowsStaged) {
     attend_chunks_staged<kFewRowsStagedSlots, kHead, kSwizzle, kLayout, kNT>(
         pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
         first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), smem, st);
@@ -204,7 +143,7 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   }
 
   const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
-  merge_warps<kHead, kNT, kParts>(st, reinterpret_cast<float*>(smem), rows, warp, lane,
+  merge_warps<kHead, kNT>(st, reinterpret_cast<float*>(smem), rows, warp, lane,
                           [&](int r, int d, float value, float lse2) {
                             const int64_t row = q_row_of(r);
                             if (lse2 == -INFINITY) {  // nothing attended to in this split
@@ -220,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   // The warps' merge (and where staged, first the slots: dynamic shared memory).
   uint8_t* smem;
-  if constexpr (kFewRowsSmem<kHead> > 0) {
+  if constexpr (kFewRowsStaged) {
     extern __shared__ __align__(16) uint8_t few_rows_slots[];
     smem = few_rows_slots;
   } else {
@@ -255,15 +194,11 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     return;
   }
   if (!taken) return;  // (CTA-uniform) another kernel's sequence
-  if (q_len * group <= 8)  // one n-tile, two, or paired warps
+  if (q_len * group <= 8)  // one n-tile, or two
     return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
                                                         start, q_len, smem);
-  if (q_len * group <= kFewRows)
-    return attend_few_rows<kHead, kSwizzle, kLayout, kNTiles>(p, grid, b, kv_head, member,
-                                                              split, start, q_len, smem);
-  if constexpr (kHead == kPairedHead)  // (takes_few_rows: no more rows at other head sizes)
-    attend_few_rows<kHead, kSwizzle, kLayout, kPairNTiles, kPairParts>(
-        p, grid, b, kv_head, member, split, start, q_len, smem);
+  attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split, start, q_len,
+                                               smem);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>

@@ -36,19 +36,12 @@ inline constexpr const char kRaggedTarget[] = "jax_nvfp4_ragged_paged_attention"
 inline constexpr int64_t kRaggedSplitStep = 64;
 
 // The few-row kernel (ragged_few_rows.cu) takes the sequences whose query rows per kv head
-// (tokens x the GQA group) number at most FewRowsLimit(head size), head sizes up to
-// kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS, PAIRED_ROWS and
-// FEW_ROWS_MAX_HEAD_SIZE): kFewRows with a warp per chunk (its MMA's N: with 32 rows, 4
-// n-tiles, one warp spilled and took 514 us at 32 x 8 over 8192 where the ragged kernel's
-// tiles took 354 us, H200, benchmarks/NOTES.md), kPairedRows at head size kPairedHead, where
-// two warps share each chunk, each with half the head dims.
+// (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to
+// kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS and FEW_ROWS_MAX_HEAD_SIZE). 16,
+// not 32: with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192
+// where the ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
 inline constexpr int32_t kFewRows = 16;
-inline constexpr int32_t kPairedRows = 32;
-inline constexpr int64_t kPairedHead = 128;
 inline constexpr int64_t kFewRowsMaxHead = 128;
-constexpr NVFP4_HD int32_t FewRowsLimit(int64_t head_size) {
-  return head_size == kPairedHead ? kPairedRows : kFewRows;
-}
 
 struct RaggedProblem {
   const void* q;
@@ -158,12 +151,11 @@ inline ffi::Error MakeRaggedProblem(
         "table, every split starting inside it");
   if (max_q_len < 0) return RaggedArgumentError("max_q_len must be >= 0 (0: no bound)");
   if (few_rows_only &&
-      (max_q_len < 1 || head_size > kFewRowsMaxHead ||
-       int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > FewRowsLimit(head_size) ||
-       decode_splits != 0))
+      (max_q_len < 1 || int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > kFewRows ||
+       head_size > kFewRowsMaxHead || decode_splits != 0))
     return RaggedArgumentError(
-        "few_rows_only needs a head size <= 128, 1 <= max_q_len x the GQA group <= 16 (32 at "
-        "head size 128) and no decode launch (decode_splits == 0)");
+        "few_rows_only needs 1 <= max_q_len x the GQA group <= 16, a head size <= 128 and no "
+        "decode launch (decode_splits == 0)");
   const std::string cluster_error =
       decode_cluster_merge ? ClusterMergeRangeError("decode_cluster_merge", decode_splits) : "";
   if (!cluster_error.empty()) return RaggedArgumentError(cluster_error);

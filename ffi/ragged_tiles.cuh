@@ -520,8 +520,10 @@ __device__ __forceinline__ void pack_p(const float (&s)[2 * kPSteps][4],
 
 constexpr int kPipelinedHead = 128;
 // More query rows per kv head than this: the pipelined kernel's sequence (when it runs). The
-// few-row kernel's bound at this head size, so the two never take the same sequence.
-constexpr int32_t kPipelinedMinRows = FewRowsLimit(kPipelinedHead);
+// few-row kernel's bound, so the two never take the same sequence; the sequences of 17 to 32
+// rows (speculative decoding's 32 x 8) ran 8% faster here than on the ragged kernel's mma.sync
+// tiles (benchmarks/NOTES.md, ragged v10b).
+constexpr int32_t kPipelinedMinRows = kFewRows;
 // Whether the pipelined kernel takes a sequence of q_len query tokens.
 // (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
 // the launch also checks, PipelinedPrefillRuns.)

@@ -54,14 +54,10 @@ ROWS_PER_CTA = 64
 KV_TILE = 64
 #: CTAs per SM when the GPU cannot be asked (shared memory decides: ffi/ragged_cuda.cu).
 _DEFAULT_CTAS_PER_SM = 2
-#: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel takes
-#: (:func:`few_rows_limit`: FEW_ROWS, or PAIRED_ROWS at head size PAIRED_HEAD_SIZE, where two
-#: warps share each chunk), its largest head size (ffi/ragged_ffi.h, kFewRows, kPairedRows,
-#: kPairedHead, kFewRowsMaxHead), and its CTAs per SM when the GPU cannot be asked (its launch
-#: bounds, ffi/ragged_few_rows.cu).
+#: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
+#: takes, its largest head size (ffi/ragged_device.cuh, kFewRows, kFewRowsMaxHead), and its
+#: CTAs per SM when the GPU cannot be asked (its launch bounds, ffi/ragged_few_rows.cu).
 FEW_ROWS = 16
-PAIRED_ROWS = 32
-PAIRED_HEAD_SIZE = 128
 FEW_ROWS_MAX_HEAD_SIZE = 128
 _DEFAULT_FEW_ROWS_CTAS_PER_SM = 2
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
@@ -149,19 +145,12 @@ def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
     return -(-num_tokens * group // ROWS_PER_CTA) + min(max_num_seqs, num_tokens)
 
 
-def few_rows_limit(head_size: int) -> int:
-    """Most query rows per kv head of a sequence the few-row kernel takes at this head size
-    (ffi/ragged_ffi.h, FewRowsLimit): 32 at head size 128 (paired warps), else 16."""
-    return PAIRED_ROWS if head_size == PAIRED_HEAD_SIZE else FEW_ROWS
-
-
 def few_rows_only(max_q_len, num_q_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the caller's bound ``max_q_len`` (None: none) lets the few-row kernel serve a
     whole call alone: 2 or more tokens (a bound of 1 is a decode step, the decode kernel's),
-    at most :func:`few_rows_limit` query rows per kv head, a head size it covers
-    (ffi/ragged_ffi.h)."""
+    at most ``FEW_ROWS`` query rows per kv head, a head size it covers (ffi/ragged_ffi.h)."""
     return (max_q_len is not None and max_q_len >= 2 and head_size <= FEW_ROWS_MAX_HEAD_SIZE
-            and max_q_len * (num_q_heads // num_kv_heads) <= few_rows_limit(head_size))
+            and max_q_len * (num_q_heads // num_kv_heads) <= FEW_ROWS)
 
 
 def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: int,
@@ -174,8 +163,7 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     The work is counted as :func:`tile_slots` query tiles per kv head (the static bound: how
     the query tokens fall into sequences is only known on the device), each over up to
     ``max_tokens`` positions, or, when the tokens are few enough for every sequence to have at
-    most :func:`few_rows_limit` query rows per kv head (speculative decoding), or when the
-    few-row kernel
+    most ``FEW_ROWS`` query rows per kv head (speculative decoding), or when the few-row kernel
     serves the call ``alone`` (:func:`few_rows_only`), as one CTA of the few-row
     kernel per (sequence, kv head) at that kernel's occupancy (``few_rows_ctas_per_sm``; the
     ragged kernel's is ``ctas_per_sm``);
@@ -186,7 +174,7 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     """
     group = num_q_heads // num_kv_heads
     if alone or (head_size <= FEW_ROWS_MAX_HEAD_SIZE and
-                 num_tokens * group <= max_num_seqs * few_rows_limit(head_size)):
+                 num_tokens * group <= max_num_seqs * FEW_ROWS):
         # Few tokens per sequence on average (speculative decoding): the work is the few-row
         # kernel's, a CTA per (sequence, kv head) at its own occupancy.
         units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, few_rows_ctas_per_sm
@@ -377,6 +365,5 @@ def partitioned(body):
     return wrapped
 
 
-__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_limit",
-           "few_rows_only",
+__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_only",
            "kernel_supports", "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]

@@ -162,14 +162,10 @@ def test_checked_reports_a_broken_max_q_len():
 
 def test_few_rows_only_rule():
     """The few-row kernel serves a call alone for bounds of 2 or more whose rows per kv head
-    fit its limit (ffi/ragged_ffi.h FewRowsLimit: 32 at head size 128, paired warps; else 16),
-    head sizes up to 128."""
-    assert [rp.few_rows_limit(d) for d in (64, 128, 256)] == [16, 32, 16]
+    fit its 16 (ffi/ragged_ffi.h kFewRows), head sizes up to 128."""
     assert rp.few_rows_only(4, 32, 8, 128) and rp.few_rows_only(16, 8, 8, 64)
     assert rp.few_rows_only(2, 64, 8, 128)                       # 2 tokens x GQA 8
-    assert rp.few_rows_only(8, 32, 8, 128)                       # 32 rows: paired warps
-    assert not rp.few_rows_only(9, 32, 8, 128)                   # 36 rows
-    assert not rp.few_rows_only(5, 32, 8, 64)                    # 20 rows at head size 64
+    assert not rp.few_rows_only(5, 32, 8, 128)                   # 20 rows
     assert not rp.few_rows_only(1, 32, 8, 128)                   # a decode step
     assert not rp.few_rows_only(None, 32, 8, 128)
     assert not rp.few_rows_only(4, 32, 8, 256)
@@ -673,11 +669,10 @@ def test_gpu_more_sequences_groups_and_pages(seed, seqs, kv, ratio, bs):
 @pytest.mark.parametrize("head_size,layout,bs", [(128, "HND", 16), (64, "NHD", 12)])
 def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
     """Every sequence shape the few-row kernel takes (2 or more query tokens, at most 16 rows per
-    kv head, 32 at head size 128: one n-tile of 8 rows or two, or paired warps of 4, full or
-    partial), each over a context as short as its query tokens (the first row sees one
-    position), one ending inside a chunk and one of several chunks; beside them a one-token
-    sequence and one a token too long for the kernel."""
-    most = rp.few_rows_limit(head_size) // ratio
+    kv head: one n-tile of 8 rows or two, full or partial), each over a context as short as its
+    query tokens (the first row sees one position), one ending inside a chunk and one of
+    several chunks; beside them a one-token sequence and one a token too long for the kernel."""
+    most = 16 // ratio
     seqs = tuple((kv, q) for q in range(2, most + 1) for kv in (q, 37, 700))
     seqs += ((300, 1), (300, most + 1))
     case = shared_case(60 + ratio, seqs, head_size=head_size, layout=layout, num_kv_heads=2,
@@ -690,12 +685,11 @@ def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
 @pytest.mark.parametrize("ratio,head_size,layout,bs", [(4, 128, "HND", 16), (2, 64, "NHD", 12),
                                                        (1, 128, "HND", 16), (8, 128, "NHD", 8)])
 def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
-    """A bound of max_q_len x the group <= the few-row limit (16 rows, 32 at head size 128): the
-    few-row kernel alone serves drafts,
+    """A bound of max_q_len x the group <= 16 rows: the few-row kernel alone serves drafts,
     one-token sequences, an empty sequence and the padding tokens, with split-KV (a few
     sequences over long contexts); against the jnp path. A bound one token short gives the
     longest sequences NaN rows, every other row unchanged."""
-    most = rp.few_rows_limit(head_size) // ratio
+    most = 16 // ratio
     seqs = ((300, most), (37, 1), (1500, max(most - 1, 1)), (9, 0), (16, most), (700, 2))
     case = shared_case(70 + ratio, seqs, head_size=head_size, layout=layout, num_kv_heads=2,
                        block_size=bs, pad_tokens=70)
