@@ -7,9 +7,10 @@
 // per SM) spent ~6.6 instructions per K/V value where the decode kernel spends 3.7
 // (benchmarks/NOTES.md). Here each warp runs the decode kernel's loop (chunk_attention.cuh)
 // with the sequence's rows (query tokens x heads of one kv head) in N, one or two n-tiles of
-// 8: it reads its chunks of 32 positions straight into registers, converts each K and V
-// fragment once for all the rows, and keeps its own online softmax, with no barrier until the
-// warps merge at the end. Each page is read once for all of the sequence's rows.
+// 8: it reads its chunks of 32 positions into registers (by default through a ring of 2 chunks
+// a warp in shared memory, as the decode kernel does), converts each K and V fragment once for
+// all the rows, and keeps its own online softmax, with no barrier until the warps merge at the
+// end. Each page is read once for all of the sequence's rows.
 //
 // Numbers as in attention_device.cuh (q to fp16 after a power-of-two scale per row, K and V
 // exact in fp16, float32 softmax and sums, P rounded to fp16). The rules (which tokens a
