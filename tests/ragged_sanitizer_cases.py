@@ -3,8 +3,8 @@ code path once and small (head sizes 64/128/256, both layouts, both V-scale orde
 8..32, GQA 1/4, tiles of 4 to 64 rows on mma.sync and wgmma, a split-KV plan with its merge, the
 zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token
 sequences on the decode kernel, the few-row kernel alone under max_q_len with its fill and a
-sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel), each checked against the jnp path run on the CPU (with the same
-bound: the same NaN rows). On a GPU machine, from the repository root (TESTING.md has
+sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel), each checked
+against the jnp path run on the CPU (with the same bound: the same NaN rows). On a GPU machine, from the repository root (TESTING.md has
 the environment the sanitizers need):
 
     compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
@@ -31,7 +31,7 @@ cases = [
     # a bound over the ragged kernel's tiles: a chunk over it
     (8, ((37, 1), (50, 4), (70, 23), (33, 11)), 64, "HND", False, 16, 2, 8, 11),
     # 17 to 32 rows (GQA 4: 5 to 8 tokens, speculative decoding's 32 x 8) on the pipelined
-    # kernel, split-KV, beside drafts of 8 rows, a decode token and a chunk
+    # kernel, split-KV (12 splits of 256), beside drafts of 8 rows, a decode token and a chunk
     (9, ((3000, 8), (700, 5), (40, 1), (60, 7), (9, 2), (80, 40)), 128, "HND", True, 16, 2, 8,
      None),
     # the same under max_q_len 8 (x GQA 4: over the few-row kernel's 16), linear scales, a
