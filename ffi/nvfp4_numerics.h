@@ -19,6 +19,19 @@
 
 #if defined(__CUDACC__)
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#endif
+
+// The e4m3 conversions of the block scales on the device: 1, the hardware's (cvt with
+// satfinite, sm_89 and newer), which must give the software's bytes (E4m3MismatchesCuda checks
+// every float and byte); 0, the software's below on every architecture.
+#ifndef NVFP4_HW_E4M3
+#define NVFP4_HW_E4M3 0
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && NVFP4_HW_E4M3
+#define NVFP4_DEVICE_E4M3 1
+#else
+#define NVFP4_DEVICE_E4M3 0
 #endif
 
 #if defined(__CUDACC__)
@@ -193,7 +206,7 @@ NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
 // Branch-free (selects): normal results keep 3 of the 23 mantissa bits with ties to even on
 // the bits; results below the smallest normal 2^-6 are multiples of 2^-9, rounded by adding
 // 2^23 to a * 512 (exact) in one rounding.
-NVFP4_HD uint8_t e4m3_encode(float x) {
+NVFP4_HD uint8_t e4m3_encode_software(float x) {
   const uint32_t bits = float_bits(x);
   const uint32_t u = bits & 0x7FFFFFFFu;
   // Normal: f32 exponent bias 127 -> e4m3 bias 7 is 120 << 3 in the 8-bit code.
@@ -210,7 +223,7 @@ NVFP4_HD uint8_t e4m3_encode(float x) {
   return uint8_t(u > 0x7F800000u ? uint32_t(kE4M3NaN) : code);
 }
 
-NVFP4_HD float e4m3_decode(uint8_t byte) {
+NVFP4_HD float e4m3_decode_software(uint8_t byte) {
   const uint32_t sign = uint32_t(byte & 0x80u) << 24;
   const uint32_t exp = (byte >> 3) & 0xFu;
   const uint32_t man = byte & 7u;
@@ -219,6 +232,26 @@ NVFP4_HD float e4m3_decode(uint8_t byte) {
   const uint32_t magnitude =
       exp == 0 ? float_bits(subnormal) : ((exp + 120u) << 23) | (man << 20);
   return bits_float((byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u | sign : sign | magnitude);
+}
+
+// The conversions the store uses: the hardware's on the device where NVFP4_HW_E4M3 asks for
+// them (the same bytes: the NaN of either sign to kE4M3NaN as the software does; a decoded NaN
+// keeps its sign), the software's elsewhere.
+NVFP4_HD uint8_t e4m3_encode(float x) {
+#if NVFP4_DEVICE_E4M3
+  const uint8_t byte = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
+  return is_nan(x) ? kE4M3NaN : byte;
+#else
+  return e4m3_encode_software(x);
+#endif
+}
+
+NVFP4_HD float e4m3_decode(uint8_t byte) {
+#if NVFP4_DEVICE_E4M3
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3)));
+#else
+  return e4m3_decode_software(byte);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------

@@ -197,31 +197,59 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   return ffi::Error::Success();
 }
 
-__global__ void E2m1SelfCheckKernel(unsigned long long* mismatches) {
+// The self-checks: how many of the 2^32 float bit patterns u a rule fails on (differs(u)).
+template <typename Differs>
+__global__ void EveryFloatKernel(unsigned long long* mismatches, Differs differs) {
   unsigned long long local = 0;
   for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull;
-       u += uint64_t(gridDim.x) * blockDim.x) {
-    const float y = bits_float(uint32_t(u));
-    local += e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
-  }
+       u += uint64_t(gridDim.x) * blockDim.x)
+    local += differs(uint32_t(u));
   atomicAdd(mismatches, local);
 }
 
-}  // namespace
-
-int64_t E2m1CodeMismatchesCuda() {
+template <typename Differs>
+int64_t CountOnEveryFloat(Differs differs) {
   unsigned long long* count = nullptr;
   if (cudaMalloc(&count, sizeof(*count)) != cudaSuccess) return -1;
   unsigned long long host = 0;
   bool ok = cudaMemset(count, 0, sizeof(*count)) == cudaSuccess;
   if (ok) {
-    E2m1SelfCheckKernel<<<1024, kThreadsPerBlock>>>(count);
+    EveryFloatKernel<<<1024, kThreadsPerBlock>>>(count, differs);
     ok = cudaGetLastError() == cudaSuccess &&
          cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost) == cudaSuccess;
   }
   cudaFree(count);
   return ok ? int64_t(host) : -1;
 }
+
+// The device's e2m1 rounding against the comparison ladder, all bits.
+struct E2m1Differs {
+  __device__ bool operator()(uint32_t u) const {
+    const float y = bits_float(u);
+    return e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
+  }
+};
+
+// The e4m3 conversions the store uses on the device (the hardware's with NVFP4_HW_E4M3) against
+// the software's: every float encoded, and (u < 256) every byte decoded, the same bits or both
+// NaN.
+struct E4m3Differs {
+  __device__ bool operator()(uint32_t u) const {
+    const float x = bits_float(u);
+    bool differs = e4m3_encode(x) != e4m3_encode_software(x);
+    if (u < 256u) {
+      const float a = e4m3_decode(uint8_t(u)), b = e4m3_decode_software(uint8_t(u));
+      differs |= !(is_nan(a) && is_nan(b)) && float_bits(a) != float_bits(b);
+    }
+    return differs;
+  }
+};
+
+}  // namespace
+
+int64_t E2m1CodeMismatchesCuda() { return CountOnEveryFloat(E2m1Differs{}); }
+
+int64_t E4m3MismatchesCuda() { return CountOnEveryFloat(E4m3Differs{}); }
 
 }  // namespace nvfp4
 

@@ -1,6 +1,7 @@
 """The numerics header's branch-free e2m1 rounding against the comparison table of
 docs/format.md §2 step 6 on every float32: on the CPU build, and on the GPU build where there
-is one."""
+is one; on the GPU also the store's e4m3 conversions against the software's (every float
+encoded, every byte decoded: the same whether the build takes the hardware's, NVFP4_HW_E4M3)."""
 
 import os
 
@@ -15,13 +16,23 @@ def test_e2m1_rounding_matches_ladder_on_every_float_cpu():
 
 @pytest.mark.gpu
 def test_e2m1_rounding_matches_ladder_on_every_float_gpu():
-    # Under compute-sanitizer (tests/gpu_checks.sh sets JAX_NVFP4_SANITIZER to the tool) the
-    # 2^32 iterations are not run: the kernel takes no count (a smaller range would need a
-    # kernel argument), its only memory access is one atomicAdd per thread, and the full check
-    # runs unsanitized in the script's suite-gpu part.
+    _skip_under_sanitizer_or_fail_without_cuda()
+    assert _ffi._e2m1_code_mismatches_cuda() == 0
+
+
+@pytest.mark.gpu
+def test_e4m3_conversions_match_software_on_every_float_gpu():
+    _skip_under_sanitizer_or_fail_without_cuda()
+    assert _ffi._e4m3_mismatches_cuda() == 0
+
+
+def _skip_under_sanitizer_or_fail_without_cuda():
+    """Under compute-sanitizer (tests/gpu_checks.sh sets JAX_NVFP4_SANITIZER to the tool) the
+    2^32 iterations are not run: the kernel takes no count (a smaller range would need a kernel
+    argument), its only memory access is one atomicAdd per thread, and the full check runs
+    unsanitized in the script's suite-gpu part."""
     tool = os.environ.get("JAX_NVFP4_SANITIZER")
     if tool:
         pytest.skip(f"under compute-sanitizer {tool}: the 2^32-float self-check runs unsanitized")
     if not _ffi.built_with_cuda():
         pytest.fail("a GPU is visible but jax_nvfp4 was built without its CUDA kernel")
-    assert _ffi._e2m1_code_mismatches_cuda() == 0
