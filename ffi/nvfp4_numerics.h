@@ -24,15 +24,17 @@
 
 // The e4m3 conversions of the block scales on the device: 1, the hardware's (cvt with
 // satfinite, sm_89 and newer), which must give the software's bytes (E4m3MismatchesCuda checks
-// every float and byte); 0, the software's below on every architecture.
+// every float and byte on any sm_89+ build); 0, the software's below on every architecture.
+// Set with CMAKE_CUDA_FLAGS=-DNVFP4_HW_E4M3=1.
 #ifndef NVFP4_HW_E4M3
 #define NVFP4_HW_E4M3 0
 #endif
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && NVFP4_HW_E4M3
-#define NVFP4_DEVICE_E4M3 1
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#define NVFP4_HAS_HW_E4M3 1
 #else
-#define NVFP4_DEVICE_E4M3 0
+#define NVFP4_HAS_HW_E4M3 0
 #endif
+#define NVFP4_DEVICE_E4M3 (NVFP4_HAS_HW_E4M3 && NVFP4_HW_E4M3)
 
 #if defined(__CUDACC__)
 #define NVFP4_HD __host__ __device__ __forceinline__
@@ -234,13 +236,25 @@ NVFP4_HD float e4m3_decode_software(uint8_t byte) {
   return bits_float((byte & 0x7Fu) == 0x7Fu ? 0x7FC00000u | sign : sign | magnitude);
 }
 
-// The conversions the store uses: the hardware's on the device where NVFP4_HW_E4M3 asks for
-// them (the same bytes: the NaN of either sign to kE4M3NaN as the software does; a decoded NaN
-// keeps its sign), the software's elsewhere.
-NVFP4_HD uint8_t e4m3_encode(float x) {
-#if NVFP4_DEVICE_E4M3
+#if NVFP4_HAS_HW_E4M3
+// The hardware's conversions (sm_89 and newer): the same bytes as the software's (the PTX ISA
+// leaves the sign of a NaN's byte open, so any NaN becomes kE4M3NaN here as there), and the
+// same floats for every byte but 0xFF, which decodes to the canonical (positive) NaN.
+__device__ __forceinline__ uint8_t e4m3_encode_hardware(float x) {
   const uint8_t byte = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
   return is_nan(x) ? kE4M3NaN : byte;
+}
+
+__device__ __forceinline__ float e4m3_decode_hardware(uint8_t byte) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3)));
+}
+#endif
+
+// The conversions the store uses: the hardware's on the device where NVFP4_HW_E4M3 asks for
+// them, the software's elsewhere.
+NVFP4_HD uint8_t e4m3_encode(float x) {
+#if NVFP4_DEVICE_E4M3
+  return e4m3_encode_hardware(x);
 #else
   return e4m3_encode_software(x);
 #endif
@@ -248,7 +262,7 @@ NVFP4_HD uint8_t e4m3_encode(float x) {
 
 NVFP4_HD float e4m3_decode(uint8_t byte) {
 #if NVFP4_DEVICE_E4M3
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3)));
+  return e4m3_decode_hardware(byte);
 #else
   return e4m3_decode_software(byte);
 #endif

@@ -230,15 +230,26 @@ struct E2m1Differs {
   }
 };
 
-// The e4m3 conversions the store uses on the device (the hardware's with NVFP4_HW_E4M3) against
-// the software's: every float encoded, and (u < 256) every byte decoded, the same bits or both
-// NaN.
+// The hardware's e4m3 conversions (what the store uses with NVFP4_HW_E4M3) against the
+// software's, on every sm_89+ build whatever the option: every float encoded, and (u < 256)
+// every byte decoded, the same bits or both NaN. (Without them, the store's own against the
+// software's: the same functions.)
 struct E4m3Differs {
   __device__ bool operator()(uint32_t u) const {
     const float x = bits_float(u);
-    bool differs = e4m3_encode(x) != e4m3_encode_software(x);
+#if NVFP4_HAS_HW_E4M3
+    const uint8_t encoded = e4m3_encode_hardware(x);
+#else
+    const uint8_t encoded = e4m3_encode(x);
+#endif
+    bool differs = encoded != e4m3_encode_software(x);
     if (u < 256u) {
-      const float a = e4m3_decode(uint8_t(u)), b = e4m3_decode_software(uint8_t(u));
+#if NVFP4_HAS_HW_E4M3
+      const float a = e4m3_decode_hardware(uint8_t(u));
+#else
+      const float a = e4m3_decode(uint8_t(u));
+#endif
+      const float b = e4m3_decode_software(uint8_t(u));
       differs |= !(is_nan(a) && is_nan(b)) && float_bits(a) != float_bits(b);
     }
     return differs;
