@@ -39,7 +39,8 @@ inline constexpr int64_t kRaggedSplitStep = 64;
 // (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to
 // kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS and FEW_ROWS_MAX_HEAD_SIZE). 16,
 // not 32: with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192
-// where the ragged kernel's tiles take 354 us (H200, benchmarks/NOTES.md).
+// where the ragged kernel's tiles take 354 us, and pairs of warps sharing each chunk (half the
+// head dims each) took 385 us against the pipelined kernel's 346 (H200, benchmarks/NOTES.md).
 inline constexpr int32_t kFewRows = 16;
 inline constexpr int64_t kFewRowsMaxHead = 128;
 
