@@ -66,8 +66,8 @@ NB_MODULE(_ffi, m) {
   m.def("_e2m1_code_mismatches_cuda", &nvfp4::E2m1CodeMismatchesCuda,
         "The self-check above on the current GPU (-1 if CUDA failed).");
   m.def("_e4m3_mismatches_cuda", &nvfp4::E4m3MismatchesCuda,
-        "The store's e4m3 conversions on the current GPU against the software's, every float "
-        "and byte (-1 if CUDA failed).");
+        "The hardware's e4m3 conversions (the store's with NVFP4_HW_E4M3) on the current GPU "
+        "against the software's, every float and byte (-1 if CUDA failed).");
   m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
   m.def("decode_cluster_merge_splits", &nvfp4::DecodeClusterMergeSplits,

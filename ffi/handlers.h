@@ -14,9 +14,9 @@ namespace nvfp4 {
 // Every float32 through the device's branch-free e2m1 rounding against the comparison ladder,
 // on the current GPU: the number that differ, or -1 if CUDA failed.
 int64_t E2m1CodeMismatchesCuda();
-// Every float32 through the e4m3 encoding the store uses on the current GPU, and every byte
-// through its decoding, against the software conversions (nvfp4_numerics.h): the number that
-// differ, or -1 if CUDA failed.
+// Every float32 through the hardware's e4m3 encoding on the current GPU (the store's with
+// NVFP4_HW_E4M3), and every byte through its decoding, against the software conversions
+// (nvfp4_numerics.h): the number that differ, or -1 if CUDA failed.
 int64_t E4m3MismatchesCuda();
 // CTAs of the decode kernel for this head size that fit on one SM of the current GPU (0 if
 // CUDA failed or the head size has no kernel).

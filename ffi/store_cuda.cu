@@ -236,20 +236,17 @@ struct E2m1Differs {
 // software's: the same functions.)
 struct E4m3Differs {
   __device__ bool operator()(uint32_t u) const {
+#if NVFP4_HAS_HW_E4M3
+    const auto encode = e4m3_encode_hardware;
+    const auto decode = e4m3_decode_hardware;
+#else
+    const auto encode = e4m3_encode;
+    const auto decode = e4m3_decode;
+#endif
     const float x = bits_float(u);
-#if NVFP4_HAS_HW_E4M3
-    const uint8_t encoded = e4m3_encode_hardware(x);
-#else
-    const uint8_t encoded = e4m3_encode(x);
-#endif
-    bool differs = encoded != e4m3_encode_software(x);
+    bool differs = encode(x) != e4m3_encode_software(x);
     if (u < 256u) {
-#if NVFP4_HAS_HW_E4M3
-      const float a = e4m3_decode_hardware(uint8_t(u));
-#else
-      const float a = e4m3_decode(uint8_t(u));
-#endif
-      const float b = e4m3_decode_software(uint8_t(u));
+      const float a = decode(uint8_t(u)), b = e4m3_decode_software(uint8_t(u));
       differs |= !(is_nan(a) && is_nan(b)) && float_bits(a) != float_bits(b);
     }
     return differs;
