@@ -252,21 +252,13 @@ __device__ __forceinline__ float e4m3_decode_hardware(uint8_t byte) {
 
 // The conversions the store uses: the hardware's on the device where NVFP4_HW_E4M3 asks for
 // them, the software's elsewhere.
-NVFP4_HD uint8_t e4m3_encode(float x) {
 #if NVFP4_DEVICE_E4M3
-  return e4m3_encode_hardware(x);
+NVFP4_HD uint8_t e4m3_encode(float x) { return e4m3_encode_hardware(x); }
+NVFP4_HD float e4m3_decode(uint8_t byte) { return e4m3_decode_hardware(byte); }
 #else
-  return e4m3_encode_software(x);
+NVFP4_HD uint8_t e4m3_encode(float x) { return e4m3_encode_software(x); }
+NVFP4_HD float e4m3_decode(uint8_t byte) { return e4m3_decode_software(byte); }
 #endif
-}
-
-NVFP4_HD float e4m3_decode(uint8_t byte) {
-#if NVFP4_DEVICE_E4M3
-  return e4m3_decode_hardware(byte);
-#else
-  return e4m3_decode_software(byte);
-#endif
-}
 
 // ---------------------------------------------------------------------------------------
 // One 16-element block (docs/format.md §2, §3).
