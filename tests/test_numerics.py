@@ -1,7 +1,7 @@
 """The numerics header's branch-free e2m1 rounding against the comparison table of
 docs/format.md §2 step 6 on every float32: on the CPU build, and on the GPU build where there
-is one; on the GPU also the hardware's e4m3 conversions (what the store uses when built with
-NVFP4_HW_E4M3) against the software's, every float encoded and every byte decoded."""
+is one; on the GPU also the hardware's e4m3 conversions (what the store uses: NVFP4_HW_E4M3, on
+by default) against the software's, every float encoded and every byte decoded."""
 
 import os
 
