@@ -446,6 +446,12 @@ ffi::Error RaggedCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   if (decode_cluster_merge && decode_splits > DecodeClusterMergeSplits(int(p.page.head_size)))
     return RaggedArgumentError("decode_cluster_merge with more splits than this GPU places in "
                                "a cluster of the decode kernel");
+  p.few_rows_max = FewRowsMaxRows(int(p.page.head_size));
+  if (few_rows_only &&
+      int64_t(max_q_len) * (p.num_q_heads / int64_t(p.page.num_kv_heads)) > p.few_rows_max)
+    return RaggedArgumentError("few_rows_only with max_q_len x the GQA group over the " +
+                               std::to_string(p.few_rows_max) +
+                               " rows the few-row kernel takes on this GPU");
   if (int64_t(p.stacked) * p.num_tokens * p.num_q_heads == 0) return ffi::Error::Success();
   if (p.num_blocks == 0 && p.max_blocks > 0)
     return RaggedArgumentError("kv_cache has no pages but block_tables has columns");

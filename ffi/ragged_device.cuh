@@ -17,12 +17,13 @@ namespace {
 
 // The few-row kernel takes the sequences of 2 or more query tokens (1 or more when it runs
 // alone, p.few_rows_only) whose query rows per kv head (tokens x the GQA group) number at most
-// kFewRows, head sizes up to kFewRowsMaxHead (ragged_ffi.h); the ragged kernel skips them (and
+// p.few_rows_max (16, or 32 at head size 128 on sm_90a: ragged_ffi.h), head sizes up to
+// kFewRowsMaxHead; the ragged kernel skips them (and
 // the decode kernel takes those of one token).
 __host__ __device__ __forceinline__ bool takes_few_rows(const RaggedProblem& p, int32_t q_len,
                                                         int32_t group, int64_t head_size) {
   return head_size <= kFewRowsMaxHead && q_len >= (p.few_rows_only ? 1 : 2) &&
-         q_len <= kFewRows / group;
+         q_len <= p.few_rows_max / group;
 }
 
 // A sequence with more query tokens than the caller's bound (p.max_q_len > 0) breaks the

@@ -25,6 +25,7 @@
 #include "attention_device.cuh"
 #include "chunk_attention.cuh"
 #include "cuda_common.cuh"
+#include "few_rows_wide.cuh"
 #include "handlers.h"
 #include "page_chunks.cuh"
 #include "ragged_device.cuh"
@@ -54,8 +55,12 @@ constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
 constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
 constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
 // Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses.
+// Head size 128 also takes the wide path's (17 to 32 rows, few_rows_wide.cuh).
 template <int kHead>
-constexpr int kFewRowsSmem = kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
+constexpr int kFewRowsSmem =
+    kHead == kWideHead && kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows> < WideShape::kSmemBytes
+        ? WideShape::kSmemBytes
+        : kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
 static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
@@ -160,8 +165,8 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   // The warps' merge (and where staged, first the slots: dynamic shared memory).
   uint8_t* smem;
-  if constexpr (kFewRowsStaged) {
-    extern __shared__ __align__(16) uint8_t few_rows_slots[];
+  if constexpr (kFewRowsStaged || kHead == kWideHead) {
+    extern __shared__ __align__(1024) uint8_t few_rows_slots[];
     smem = few_rows_slots;
   } else {
     __shared__ float merge_floats[kMergeFloats<kHead, kFewRows>];
@@ -198,8 +203,12 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
   if (q_len * group <= 8)  // one n-tile, or two
     return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
                                                         start, q_len, smem);
-  attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split, start, q_len,
-                                               smem);
+  if (q_len * group <= kFewRows)
+    return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
+                                                        start, q_len, smem);
+  // 17 to 32 rows: taken at head size 128 only, where the build has sm_90a code (FewRowsMaxRows)
+  if constexpr (kHead == kWideHead)
+    attend_wide_rows<kSwizzle, kLayout>(p, grid, b, kv_head, member, split, start, q_len, smem);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -237,6 +246,10 @@ int FewRowsResidentCtasPerSm(int head_size) {
         }
       },
       0);
+}
+
+int FewRowsMaxRows(int head_size) {
+  return head_size == kWideHead && WgmmaCodeRuns() ? kWideRows : kFewRows;
 }
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {

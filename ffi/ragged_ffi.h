@@ -43,6 +43,14 @@ inline constexpr int64_t kRaggedSplitStep = 64;
 // head dims each) took 385 us against the pipelined kernel's 346 (H200, benchmarks/NOTES.md).
 inline constexpr int32_t kFewRows = 16;
 inline constexpr int64_t kFewRowsMaxHead = 128;
+// At head size 128 the kernel also takes 17 to 32 rows on wgmma (few_rows_wide.cuh), where the
+// build has sm_90a code for the GPU: FewRowsMaxRows says, the launch sets RaggedProblem's
+// few_rows_max from it. The most any build takes, for the checks of the call:
+inline constexpr int32_t kFewRowsWide = 32;
+inline constexpr int64_t kFewRowsWideHead = 128;
+inline int32_t FewRowsBound(int64_t head_size) {
+  return head_size == kFewRowsWideHead ? kFewRowsWide : kFewRows;
+}
 
 struct RaggedProblem {
   const void* q;
@@ -90,6 +98,9 @@ struct RaggedProblem {
   // Set by the launch, not the caller: 1 when the pipelined prefill kernel runs and takes the
   // sequences of more than kPipelinedMinRows query rows per kv head; the ragged kernel skips them.
   int32_t pipelined = 0;
+  // Set by the handler: the most query rows per kv head the few-row kernel takes on this GPU
+  // (FewRowsMaxRows: kFewRows, or kFewRowsWide at head size 128 with sm_90a code).
+  int32_t few_rows_max = kFewRows;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {
@@ -152,11 +163,12 @@ inline ffi::Error MakeRaggedProblem(
         "table, every split starting inside it");
   if (max_q_len < 0) return RaggedArgumentError("max_q_len must be >= 0 (0: no bound)");
   if (few_rows_only &&
-      (max_q_len < 1 || int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > kFewRows ||
+      (max_q_len < 1 ||
+       int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > FewRowsBound(head_size) ||
        head_size > kFewRowsMaxHead || decode_splits != 0))
     return RaggedArgumentError(
-        "few_rows_only needs 1 <= max_q_len x the GQA group <= 16, a head size <= 128 and no "
-        "decode launch (decode_splits == 0)");
+        "few_rows_only needs 1 <= max_q_len x the GQA group <= 16 (32 at head size 128 on an "
+        "sm_90 GPU), a head size <= 128 and no decode launch (decode_splits == 0)");
   const std::string cluster_error =
       decode_cluster_merge ? ClusterMergeRangeError("decode_cluster_merge", decode_splits) : "";
   if (!cluster_error.empty()) return RaggedArgumentError(cluster_error);
@@ -208,6 +220,7 @@ inline ffi::Error MakeRaggedProblem(
   p->max_q_len = max_q_len;
   p->few_rows_only = few_rows_only;
   p->pipelined = 0;
+  p->few_rows_max = kFewRows;
   return ffi::Error::Success();
 }
 
@@ -259,6 +272,9 @@ cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p);
 // where it runs (built in, an sm_90 GPU, head size 128): it sets p->pipelined, and the ragged
 // kernel, launched next with *p, skips those sequences. Otherwise it launches nothing.
 cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p);
+// Whether the build has sm_90a code (wgmma) for the current GPU (ragged_pipelined.cu: the
+// pipelined kernel's registers tell).
+bool WgmmaCodeRuns();
 #endif
 
 template <typename Binding>

@@ -519,10 +519,10 @@ __device__ __forceinline__ void pack_p(const float (&s)[2 * kPSteps][4],
 // kernel skips when it runs.
 
 constexpr int kPipelinedHead = 128;
-// More query rows per kv head than this: the pipelined kernel's sequence (when it runs). The
-// few-row kernel's bound, so the two never take the same sequence; the sequences of 17 to 32
-// rows (speculative decoding's 32 x 8) ran 8% faster here than on the ragged kernel's mma.sync
-// tiles (benchmarks/NOTES.md, ragged v10b).
+// More query rows per kv head than this, and not the few-row kernel's (which takes 17 to 32
+// rows too where its wide path runs): the pipelined kernel's sequence (when it runs). Without
+// the wide path the sequences of 17 to 32 rows (speculative decoding's 32 x 8) ran 8% faster
+// here than on the ragged kernel's mma.sync tiles (benchmarks/NOTES.md, ragged v10b).
 constexpr int32_t kPipelinedMinRows = kFewRows;
 // Whether the pipelined kernel takes a sequence of q_len query tokens.
 // (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
@@ -530,6 +530,7 @@ constexpr int32_t kPipelinedMinRows = kFewRows;
 __device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
                                                 int32_t group) {
   return kHasWgmma && p.pipelined && q_len * group > kPipelinedMinRows &&
+         !takes_few_rows(p, q_len, group, kPipelinedHead) &&
          !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
 }
 

@@ -55,9 +55,12 @@ KV_TILE = 64
 #: CTAs per SM when the GPU cannot be asked (shared memory decides: ffi/ragged_cuda.cu).
 _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
-#: takes, its largest head size (ffi/ragged_device.cuh, kFewRows, kFewRowsMaxHead), and its
-#: CTAs per SM when the GPU cannot be asked (its launch bounds, ffi/ragged_few_rows.cu).
+#: takes, its largest head size (ffi/ragged_ffi.h, kFewRows, kFewRowsMaxHead), and its
+#: CTAs per SM when the GPU cannot be asked (its launch bounds, ffi/ragged_few_rows.cu). At
+#: head size 128 it takes up to ``FEW_ROWS_WIDE`` rows where the build has sm_90a code for the
+#: GPU (ffi/few_rows_wide.cuh; :func:`few_rows_max` asks).
 FEW_ROWS = 16
+FEW_ROWS_WIDE = 32
 FEW_ROWS_MAX_HEAD_SIZE = 128
 _DEFAULT_FEW_ROWS_CTAS_PER_SM = 2
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
@@ -138,6 +141,13 @@ def _few_rows_resident_ctas(head_size: int) -> int:
                                  _DEFAULT_FEW_ROWS_CTAS_PER_SM)
 
 
+def few_rows_max(head_size: int) -> int:
+    """The most query rows per kv head the few-row kernel takes on this GPU for a head size:
+    ``FEW_ROWS_WIDE`` at head size 128 where the build has sm_90a code for it, else
+    ``FEW_ROWS`` (also where the GPU cannot be asked)."""
+    return _decode.resident_ctas("few_rows_max_rows", head_size, FEW_ROWS)
+
+
 def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
     """CTAs (per kv head, stacked member and split) the kernel's grid has for query tiles: an
     upper bound on ``sum_b ceil(q_len_b * group / ROWS_PER_CTA)`` whatever ``cu_q_lens`` holds
@@ -145,25 +155,28 @@ def tile_slots(num_tokens: int, max_num_seqs: int, group: int) -> int:
     return -(-num_tokens * group // ROWS_PER_CTA) + min(max_num_seqs, num_tokens)
 
 
-def few_rows_only(max_q_len, num_q_heads: int, num_kv_heads: int, head_size: int) -> bool:
+def few_rows_only(max_q_len, num_q_heads: int, num_kv_heads: int, head_size: int,
+                  few_rows: int = FEW_ROWS) -> bool:
     """Whether the caller's bound ``max_q_len`` (None: none) lets the few-row kernel serve a
     whole call alone: 2 or more tokens (a bound of 1 is a decode step, the decode kernel's),
-    at most ``FEW_ROWS`` query rows per kv head, a head size it covers (ffi/ragged_ffi.h)."""
+    at most ``few_rows`` query rows per kv head (what it takes on the GPU:
+    :func:`few_rows_max`), a head size it covers (ffi/ragged_ffi.h)."""
     return (max_q_len is not None and max_q_len >= 2 and head_size <= FEW_ROWS_MAX_HEAD_SIZE
-            and max_q_len * (num_q_heads // num_kv_heads) <= FEW_ROWS)
+            and max_q_len * (num_q_heads // num_kv_heads) <= few_rows)
 
 
 def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: int,
                 num_q_heads: int, head_size: int, max_tokens: int, sm_count: int,
                 ctas_per_sm: int = _DEFAULT_CTAS_PER_SM,
                 few_rows_ctas_per_sm: int = _DEFAULT_FEW_ROWS_CTAS_PER_SM,
-                alone: bool = False) -> tuple[int, int]:
+                alone: bool = False, few_rows: int = FEW_ROWS) -> tuple[int, int]:
     """Split-KV plan of the ragged kernel: ``(num_splits, tokens_per_split)``.
 
     The work is counted as :func:`tile_slots` query tiles per kv head (the static bound: how
     the query tokens fall into sequences is only known on the device), each over up to
     ``max_tokens`` positions, or, when the tokens are few enough for every sequence to have at
-    most ``FEW_ROWS`` query rows per kv head (speculative decoding), or when the few-row kernel
+    most ``few_rows`` query rows per kv head (speculative decoding; what the few-row kernel takes
+    on the GPU, :func:`few_rows_max`), or when the few-row kernel
     serves the call ``alone`` (:func:`few_rows_only`), as one CTA of the few-row
     kernel per (sequence, kv head) at that kernel's occupancy (``few_rows_ctas_per_sm``; the
     ragged kernel's is ``ctas_per_sm``);
@@ -174,7 +187,7 @@ def plan_splits(stacked: int, num_tokens: int, max_num_seqs: int, num_kv_heads: 
     """
     group = num_q_heads // num_kv_heads
     if alone or (head_size <= FEW_ROWS_MAX_HEAD_SIZE and
-                 num_tokens * group <= max_num_seqs * FEW_ROWS):
+                 num_tokens * group <= max_num_seqs * few_rows):
         # Few tokens per sequence on average (speculative decoding): the work is the few-row
         # kernel's, a CTA per (sequence, kv head) at its own occupancy.
         units, ctas_per_sm = stacked * num_kv_heads * max_num_seqs, few_rows_ctas_per_sm
@@ -214,11 +227,12 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     stacked, num_tokens, num_q_heads, head_size = q.shape
     max_num_seqs, max_blocks = block_tables.shape[1:]
     max_tokens = max_blocks * geo.block_size
-    alone = few_rows_only(max_q_len, num_q_heads, geo.num_kv_heads, head_size)
+    few_rows = few_rows_max(head_size)
+    alone = few_rows_only(max_q_len, num_q_heads, geo.num_kv_heads, head_size, few_rows)
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
         _decode._sm_count(), _resident_ctas(head_size), _few_rows_resident_ctas(head_size),
-        alone=alone)
+        alone=alone, few_rows=few_rows)
     # The sequences that own one query token go to the decode kernel (launched by the same
     # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences;
     # unless the few-row kernel serves the call alone.
@@ -365,5 +379,6 @@ def partitioned(body):
     return wrapped
 
 
-__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_only",
+__all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_max",
+           "few_rows_only",
            "kernel_supports", "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]

@@ -169,6 +169,11 @@ def test_few_rows_only_rule():
     assert not rp.few_rows_only(1, 32, 8, 128)                   # a decode step
     assert not rp.few_rows_only(None, 32, 8, 128)
     assert not rp.few_rows_only(4, 32, 8, 256)
+    # Where the kernel takes 32 rows (head size 128 on sm_90a: rp.few_rows_max), 8 tokens x 4.
+    assert rp.few_rows_only(8, 32, 8, 128, rp.FEW_ROWS_WIDE)
+    assert not rp.few_rows_only(9, 32, 8, 128, rp.FEW_ROWS_WIDE)
+    assert rp.few_rows_max(128) in (rp.FEW_ROWS, rp.FEW_ROWS_WIDE)
+    assert rp.few_rows_max(64) == rp.FEW_ROWS and rp.few_rows_max(256) == rp.FEW_ROWS
     # Alone, the plan counts the few-row kernel's CTAs whatever num_tokens says.
     assert (rp.plan_splits(1, 2048, 32, 8, 32, 128, 8192, 132, 2, 2, alone=True) ==
             rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2, 2))
@@ -685,20 +690,23 @@ def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
 @pytest.mark.parametrize("ratio,head_size,layout,bs", [(4, 128, "HND", 16), (2, 64, "NHD", 12),
                                                        (1, 128, "HND", 16), (8, 128, "NHD", 8)])
 def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
-    """A bound of max_q_len x the group <= 16 rows: the few-row kernel alone serves drafts,
-    one-token sequences, an empty sequence and the padding tokens, with split-KV (a few
-    sequences over long contexts); against the jnp path. A bound one token short gives the
-    longest sequences NaN rows, every other row unchanged."""
-    most = 16 // ratio
+    """A bound of max_q_len x the group at the few-row kernel's most rows (16; 32 at head size
+    128 on an sm_90 GPU, its wgmma path): the few-row kernel alone serves drafts, one-token
+    sequences, an empty sequence and the padding tokens, with split-KV (a few sequences over
+    long contexts); against the jnp path. A bound one token short gives the longest sequences
+    NaN rows, every other row unchanged."""
+    few_rows = rp.few_rows_max(head_size)
+    most = few_rows // ratio
     seqs = ((300, most), (37, 1), (1500, max(most - 1, 1)), (9, 0), (16, most), (700, 2))
     case = shared_case(70 + ratio, seqs, head_size=head_size, layout=layout, num_kv_heads=2,
                        block_size=bs, pad_tokens=70)
     q = case.query(2 * ratio, jnp.bfloat16, seed=ratio)
-    assert rp.few_rows_only(most, 2 * ratio, 2, head_size)
+    assert rp.few_rows_only(most, 2 * ratio, 2, head_size, few_rows)
     splits, _ = rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 2 * ratio, head_size,
                                case.capacity, jax.devices("gpu")[0].core_count,
                                rp._resident_ctas(head_size),
-                               rp._few_rows_resident_ctas(head_size), alone=True)
+                               rp._few_rows_resident_ctas(head_size), alone=True,
+                               few_rows=few_rows)
     assert splits > 1                                   # the merge runs too
     ref, ref_lse = _cpu(case.run, q, return_lse=True)
     gpu = jax.device_put(case.args(q), jax.devices("gpu")[0])

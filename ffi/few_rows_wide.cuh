@@ -1,0 +1,566 @@
+// The few-row kernel's path for 17 to 32 query rows per kv head at head size 128 (speculative
+// decoding's 32 x 8: 8 draft tokens x GQA 4), on wgmma (sm_90a), one warpgroup (the CTA's 4
+// warps) per (sequence, kv head, split).
+//
+// Why: with 32 rows a warp's O^T accumulators alone take 128 registers, so the 16-row loop of
+// chunk_attention.cuh cannot hold them (it spilled: 514 us at 32 x 8 over 8192, against 346 on
+// the pipelined kernel, whose one producer warpgroup converts every position for a half-empty
+// tile; benchmarks/NOTES.md). Here the warpgroup shares the work the way wgmma shares its
+// operands, and every warp converts, straight into registers:
+//   S^T = K Q^T   on m64n32k16: positions in M (warp w converts K for its 16 of each 64), head
+//                 dims in K, the query rows in N; q^T in shared memory (K-major), once a CTA;
+//   O^T += V^T P^T on m64n32k16: head dims in M (warp w converts V for its 32 of the 128: 4 a
+//                 lane, over every position of the step, read with ldmatrix.trans), positions
+//                 in K, rows in N; P^T written to shared memory (stmatrix.trans, K-major).
+// The accumulators are spread over 128 threads (O^T: 32 registers a thread, S^T: 16 per 64
+// positions), each K and V value is converted once, by one lane, and each page is read once
+// for all of the sequence's rows. The price is two CTA barriers a step of kWideStep positions:
+// the running max of each row over the warps' positions (the softmax's P must share it, since
+// one wgmma sums over every warp's positions), and P^T written before the multiply reads it.
+//
+// A step's raw page bytes (K and V codes and scales of kWideStep positions) are copied with
+// cp.async into a ring of kWideStages stages, one position a thread, kWideStages - 1 steps
+// ahead. Positions are ordered within each 16 so that a lane's V scales are one 4-byte word
+// (wide_position). Numbers as in attention_device.cuh and chunk_attention.cuh (q to fp16 after a
+// power-of-two scale per row, K and V exact in fp16, float32 softmax and sums, P in fp16).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "attention_device.cuh"
+#include "chunk_attention.cuh"
+#include "cuda_common.cuh"
+#include "page_chunks.cuh"
+#include "ragged_device.cuh"
+#include "ragged_ffi.h"
+#include "wgmma.cuh"
+
+namespace nvfp4 {
+namespace {
+
+constexpr int kWideHead = 128;
+constexpr int kWideRows = 32;        // the wgmma's N
+constexpr int kWideThreads = 128;    // one warpgroup
+// Positions a step: the S^T wgmma's M. (Steps of 128 held twice the A fragments in flight and
+// spilled at the kernel's 255 registers.) The ring's stages: -DNVFP4_WIDE_STAGES=N.
+constexpr int kWideStep = 64;
+#ifndef NVFP4_WIDE_STAGES
+#define NVFP4_WIDE_STAGES 3
+#endif
+constexpr int kWideStages = NVFP4_WIDE_STAGES;
+static_assert(kWideStages >= 2, "a step converted while the next lands");
+// How far (log2 units) a score may pass its column's shared reference before the warps set a
+// new one: P <= 2^8 (attend_wide_rows' softmax).
+constexpr float kWideSlack = 8.f;
+
+struct WideShape {
+  static constexpr int kMBlocks = kWideStep / 64;   // S^T's m64 blocks a step
+  static constexpr int kKSteps = kWideStep / 16;    // O^T's k16 steps a step
+  static constexpr int kCodeBytes = kWideHead / 2;  // one position's codes, one side
+  static constexpr int kScaleBytes = kWideHead / 16;
+  // The K-major B operands (q^T and P^T): [blocks of 64 K][32 rows][128 bytes], 128-byte swizzle.
+  static constexpr int kBBlockBytes = kWideRows * 128;
+  static constexpr int kQBytes = (kWideHead / 64) * kBBlockBytes;
+  static constexpr int kPBytes = (kWideStep / 64) * kBBlockBytes;
+  // A stage: K codes [pos][64] (plain), V codes [pos][64] (16-byte pieces swizzled for
+  // ldmatrix: wide_v_code_at), K scales [pos][8], V scales [pos][8] (the page's rows as they
+  // are: swizzled scales then hold each block's 4 positions of a group of 4 in one word).
+  static constexpr int kKCodeAt = 0;
+  static constexpr int kVCodeAt = kKCodeAt + kWideStep * kCodeBytes;
+  static constexpr int kKScaleAt = kVCodeAt + kWideStep * kCodeBytes;
+  static constexpr int kVScaleAt = kKScaleAt + kWideStep * kScaleBytes;
+  static constexpr int kStageBytes = kVScaleAt + kWideStep * kScaleBytes;
+  // Shared memory: q^T, P^T (both 1024-byte aligned), the ring, then per row (column of N):
+  // the score scale, the end of its positions, and a float per warp for the exchanges.
+  static constexpr int kQAt = 0;
+  static constexpr int kPAt = kQAt + kQBytes;
+  static constexpr int kRingAt = kPAt + kPBytes;
+  static constexpr int kColScaleAt = kRingAt + kWideStages * kStageBytes;
+  static constexpr int kColLimitAt = kColScaleAt + kWideRows * 4;
+  static constexpr int kExchangeAt = kColLimitAt + kWideRows * 4;
+  static constexpr int kSmemBytes = kExchangeAt + 4 * kWideRows * 4;
+  static_assert(kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "whole 128-byte swizzle atoms");
+  static_assert(kStageBytes % 16 == 0, "16-byte aligned stages");
+};
+
+// Position (within its 16) of index kk of a k16 step of O^T (and of row kk of a warp's 16 rows
+// of S^T): lane quad q's columns 2q, 2q + 1 (its A fragment's registers 0, 1) and 8 + 2q, 9 + 2q
+// (registers 2, 3) are positions 4q .. 4q + 3, so its V scale bytes are adjacent.
+__device__ __forceinline__ int wide_position(int kk) {
+  return ((kk & 6) << 1) | ((kk >> 2) & 2) | (kk & 1);
+}
+
+// Byte offset in a stage's V codes of the 16-byte piece c (dims 32c .. 32c + 31) of position
+// p: pieces swizzled by p / 4 so that ldmatrix's 8 rows (positions 4r + {0, 1} or + {2, 3}, the
+// same piece) hit 8 different bank groups.
+__device__ __forceinline__ int wide_v_code_at(int p, int c) {
+  return WideShape::kVCodeAt + p * WideShape::kCodeBytes + ((c ^ ((p >> 2) & 3)) << 4);
+}
+
+__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
+                   shared_address(p)),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// d[64 x 32] += a[64 x 16] b[16 x 32], b K-major in shared memory.
+__device__ __forceinline__ void wgmma_64x32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, "
+      "0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#endif
+}
+
+// Keeps registers that an asynchronous wgmma reads (its A fragments) alive and unchanged until
+// this point (after its wait): an empty asm that "modifies" them.
+template <int N>
+__device__ __forceinline__ void keep_operands(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
+}
+
+// One thread's share of the ring's copies: position p = t % kWideStep of each step, side
+// t / kWideStep (K, V), zero-filled at or past `end`. The block-table entry of the next step
+// to copy is read a step ahead (fetch), so that its latency never holds up the copies.
+template <bool kSwizzle, Layout kLayout>
+struct WideCopy {
+  static_assert(kWideThreads == 2 * kWideStep, "a thread per position and side");
+  using W = WideShape;
+  const PageView<kLayout>& pv;
+  uint32_t end;
+  int p, side;
+  int32_t entry = 0;  // fetched: the page of this thread's position of the next step, its row
+  uint32_t row = 0;
+
+  __device__ __forceinline__ WideCopy(const PageView<kLayout>& view, uint32_t end_)
+      : pv(view), end(end_), p(threadIdx.x % kWideStep), side(threadIdx.x / kWideStep) {}
+
+  // Swizzled V scales: rows 4k .. 4k + 3 of a page hold the scales of those 4 positions
+  // together, so a group with any position before `end` is copied whole (its rows are in the
+  // same page: block sizes are multiples of 4); the reader masks the bytes past `end`.
+  __device__ __forceinline__ void fetch(uint32_t base) {
+    const uint32_t pos = base + uint32_t(p);
+    const uint32_t index = pv.block_size.divmod(pos, &row);
+    entry = (pos & ~3u) < end ? __ldg(pv.table + index) : 0;
+  }
+  // The fetched step's bytes (positions [base, base + kWideStep)) into `stage`. (A position
+  // past `end` has entry 0 and a row inside the page: its sources are addresses inside the
+  // cache, never read.)
+  __device__ __forceinline__ void copy(uint8_t* stage, uint32_t base) const {
+    const uint32_t pos = base + uint32_t(p);
+    const bool valid = pos < end, group_valid = (pos & ~3u) < end;
+    const uint8_t* const data = pv.cache + pv.page_offset(entry) + (side ? pv.side_bytes : 0);
+    const int32_t prow = pv.plane_row(row);
+    const uint8_t* const codes = data + int64_t(prow) * W::kCodeBytes;
+#pragma unroll
+    for (int c = 0; c < W::kCodeBytes / 16; ++c) {
+      const int at = side ? wide_v_code_at(p, c) : W::kKCodeAt + p * W::kCodeBytes + 16 * c;
+      copy_async<16>(stage + at, codes + 16 * c, valid);
+    }
+    copy_async<8>(stage + (side ? W::kVScaleAt : W::kKScaleAt) + p * W::kScaleBytes,
+                  data + pv.side_data + int64_t(prow) * W::kScaleBytes,
+                  side && kSwizzle ? group_valid : valid);
+  }
+};
+
+// The work of one CTA (one warpgroup) on a sequence of 17 to 32 query rows at head size 128:
+// as attend_few_rows (ragged_few_rows.cu), whose arguments it takes.
+template <bool kSwizzle, Layout kLayout>
+__device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const RaggedGrid& grid,
+                                                 int32_t b, int32_t kv_head, int32_t member,
+                                                 int32_t split, int32_t start, int32_t q_len,
+                                                 uint8_t* smem) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using W = WideShape;
+  constexpr int kHead = kWideHead;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, qd = lane & 3;
+  const int32_t group = int32_t(grid.group.divisor);
+  const int rows = q_len * group;
+  const int32_t block_size = int32_t(grid.block_size.divisor);
+  const SplitRange range = split_range(p, grid, member, b, q_len, split);
+  const int32_t begin = range.begin;
+  const int32_t last_end = min(range.row_limit(q_len - 1), range.split_end);
+  const int64_t member_rows = int64_t(member) * p.num_tokens * p.num_q_heads;
+  const auto q_row_of = [&](int r) {
+    uint32_t h;
+    const uint32_t j = grid.group.divmod(uint32_t(r), &h);
+    return member_rows + int64_t(start + int32_t(j)) * p.num_q_heads + kv_head * group +
+           int32_t(h);
+  };
+  const auto row_end = [&](int r) {
+    return r < rows ? uint32_t(max(range.row_end(grid, r), begin)) : uint32_t(begin);
+  };
+  if (begin >= last_end) {
+    for (int i = threadIdx.x; i < rows * kHead; i += kWideThreads)
+      write_empty(p, q_row_of(i / kHead), split, i % kHead, kHead);
+    return;
+  }
+
+  PageView<kLayout> pv;
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables +
+             ((p.tables_stacked ? int64_t(member) * p.max_num_seqs : 0) + b) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
+  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.tile_in_page = block_size % 16 == 0;
+
+  uint8_t* const q_t = smem + W::kQAt;
+  uint8_t* const p_t = smem + W::kPAt;
+  uint8_t* const ring = smem + W::kRingAt;
+  float* const col_scale = reinterpret_cast<float*>(smem + W::kColScaleAt);
+  uint32_t* const col_limit = reinterpret_cast<uint32_t*>(smem + W::kColLimitAt);
+  float* const exchange = reinterpret_cast<float*>(smem + W::kExchangeAt);  // [warp][column]
+
+  const uint32_t end = uint32_t(last_end);
+  const int num_steps = int((end - uint32_t(begin) + kWideStep - 1) / kWideStep);
+  const auto step_base = [&](int i) { return uint32_t(begin) + uint32_t(i * kWideStep); };
+  // The ring's first stages, one copy group a step (empty past the last: the waits count groups).
+  WideCopy<kSwizzle, kLayout> copier(pv, end);
+#pragma unroll 1
+  for (int i = 0; i < kWideStages; ++i) {
+    if (i < num_steps) {
+      copier.fetch(step_base(i));
+      copier.copy(ring + i * W::kStageBytes, step_base(i));
+    }
+    copy_async_commit();
+  }
+  if (kWideStages < num_steps) copier.fetch(step_base(kWideStages));
+
+  // q^T: warp w converts rows 8w .. 8w + 7 (its lane g's row) as chunk_attention's B fragments
+  // and stores them where the K-major operand has them: k-step s's words 0 and 1 at K
+  // 16 s + 2 q and 16 s + 8 + 2 q of row 8 w + g.
+  {
+    const float k_times_sm_scale =
+        p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
+    const int r = 8 * warp + g;
+    uint32_t f[Shape<kHead>::kKTiles][2];
+    float scale[2];
+    q_fragments<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows,
+                       k_times_sm_scale, lane, f, scale);
+#pragma unroll
+    for (int s = 0; s < Shape<kHead>::kKTiles; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int k = 16 * s + 8 * h + 2 * qd;
+        *reinterpret_cast<uint32_t*>(q_t + (k >> 6) * W::kBBlockBytes +
+                                     swizzle128_offset(r, k & 63)) = f[s][h];
+      }
+    if (g == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        col_scale[8 * warp + 2 * qd + h] = scale[h];
+        col_limit[8 * warp + 2 * qd + h] = row_end(8 * warp + 2 * qd + h);
+      }
+    }
+  }
+  fence_proxy_async_shared();  // q^T is read by wgmma
+  copy_async_wait<kWideStages - 1>();  // this thread's copies of step 0
+  __syncthreads();
+
+  // This lane's columns c = 8 t + 2 q + h (index 2 t + h): scales, ends; the softmax state.
+  float scale[8], m[8], l[8];
+  uint32_t limit[8];
+#pragma unroll
+  for (int t = 0; t < 4; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      scale[2 * t + h] = col_scale[8 * t + 2 * qd + h];
+      limit[2 * t + h] = col_limit[8 * t + 2 * qd + h];
+      m[2 * t + h] = -INFINITY;
+      l[2 * t + h] = 0.f;
+    }
+  const uint32_t mask_from = row_end(0);  // every later row sees more
+  float o[2][16];  // O^T, m-block j: rows g, g + 8 = dims 32 w + 4 g + 2 j, + 1
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int r = 0; r < 16; ++r) o[j][r] = 0.f;
+  const uint64_t q_desc = swizzled_desc(q_t, 16, 1024);
+  const uint64_t p_desc = swizzled_desc(p_t, 16, 1024);
+  const int v_block = 2 * warp + (g >> 2);  // the V scale block of this lane's 4 dims
+  uint32_t vf[2][W::kKSteps][4];            // V^T A fragments of the step in flight
+
+  // O^T += V^T P^T of the step before (its P^T written and visible: the barrier ending it).
+  // Issued and waited for in the same step as the next S^T (ptxas serialises every wgmma when a
+  // product is still in flight across the loop's back edge).
+  const auto issue_values = [&] {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int k = 0; k < W::kKSteps; ++k)
+        wgmma_64x32(o[j], vf[j][k], desc_plus(p_desc, (k >> 2) * W::kBBlockBytes + (k & 3) * 32));
+    wgmma_commit();
+  };
+  // This lane's rows of S^T in m-block j (hh = 0: row g, 1: row g + 8) are the positions
+  // 64 j + 16 w + wide_position(g) (+ 2) of the step.
+  const int my_position = 16 * warp + wide_position(g);
+
+  // One step. kMasked: the step reaches past the first row's end (positions past each column's
+  // end do not count) and maybe past `end` (the V scale bytes of a group past it are not this
+  // call's); the other steps skip both checks.
+  const auto step = [&](int i, auto masked_tag) {
+    constexpr bool kMasked = decltype(masked_tag)::value;
+    const uint8_t* const stage = ring + (i % kWideStages) * W::kStageBytes;
+    const uint32_t base = step_base(i);
+    if (i > 0) issue_values();
+
+    // S^T = K Q^T.
+    float s[W::kMBlocks][16];
+    uint32_t kf[W::kMBlocks][Shape<kHead>::kKTiles][4];
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j) {
+      Chunk<kHead> c;  // only its tile 0's K fields are used
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int pp = 64 * j + my_position + 2 * hh;
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + W::kKCodeAt + pp * W::kCodeBytes +
+                                                        16 * qd);
+        c.k[hh][0] = v.x, c.k[hh][1] = v.y, c.k[hh][2] = v.z, c.k[hh][3] = v.w;
+        c.k_scale[hh] = *reinterpret_cast<const uint16_t*>(stage + W::kKScaleAt +
+                                                           pp * W::kScaleBytes + 2 * qd);
+      }
+      uint32_t scale_words[2][Shape<kHead>::kKScaleBytes];
+      k_tile_scales<kHead>(c, 0, scale_words);
+#pragma unroll
+      for (int w = 0; w < Shape<kHead>::kKWords; ++w)
+        k_word_fragments<kHead>(c, 0, w, scale_words, kf[j][2 * w], kf[j][2 * w + 1]);
+#pragma unroll
+      for (int r = 0; r < 16; ++r) s[j][r] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j) wgmma_fence_operands(s[j]);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j)
+#pragma unroll
+      for (int k = 0; k < Shape<kHead>::kKTiles; ++k)
+        wgmma_64x32(s[j], kf[j][k],
+                    desc_plus(q_desc, (k >> 2) * W::kBBlockBytes + (k & 3) * 32));
+    wgmma_commit();
+
+    // V^T's A fragments (the step before's product, which reads them, done first): k16 step
+    // k's 16 positions through ldmatrix.trans, this warp's dims 32 w .. 32 w + 31 (lane g: 4).
+    wgmma_wait<1>();
+    keep_operands(vf[0]);
+    keep_operands(vf[1]);
+#pragma unroll
+    for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
+      uint32_t x[4];  // k-steps 2 k2 (lo, hi), 2 k2 + 1 (lo, hi)
+      {
+        const int mtx = lane >> 3, row = lane & 7;
+        const int k = 2 * k2 + (mtx >> 1);
+        const int pp = 16 * k + wide_position(8 * (mtx & 1) + row);
+        ldmatrix_x4_trans(x, stage + wide_v_code_at(pp, warp));
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int k = 2 * k2 + e;
+        const int pp = 16 * k + 4 * qd;  // this lane's positions pp .. pp + 3
+        uint32_t bytes;
+        if constexpr (kSwizzle) {
+          bytes = *reinterpret_cast<const uint32_t*>(stage + W::kVScaleAt + pp * W::kScaleBytes +
+                                                     4 * v_block);
+          if constexpr (kMasked) {  // the group's bytes past `end` (copied whole) are not ours
+            const int valid = min(max(int(end - base) - pp, 0), 4);
+            bytes &= valid == 4 ? 0xFFFFFFFFu : (1u << (8 * valid)) - 1u;
+          }
+        } else {
+          const uint8_t* at = stage + W::kVScaleAt + pp * W::kScaleBytes + v_block;
+          bytes = uint32_t(at[0]) | (uint32_t(at[W::kScaleBytes]) << 8) |
+                  (uint32_t(at[2 * W::kScaleBytes]) << 16) |
+                  (uint32_t(at[3 * W::kScaleBytes]) << 24);
+        }
+        const uint32_t scale_lo = e4m3x2_to_f16x2_x128(bytes);
+        const uint32_t scale_hi = e4m3x2_to_f16x2_x128(bytes >> 16);
+        uint32_t lo[4], hi[4];
+        e2m1x8_to_f16x2(x[2 * e], lo);
+        e2m1x8_to_f16x2(x[2 * e + 1], hi);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) lo[r] = hmul2(lo[r], scale_lo), hi[r] = hmul2(hi[r], scale_hi);
+        // registers 0..3 of a converted word: dims +0, +2, +1, +3 of the lane's 4
+        vf[0][k][0] = lo[0], vf[0][k][1] = lo[2], vf[0][k][2] = hi[0], vf[0][k][3] = hi[2];
+        vf[1][k][0] = lo[1], vf[1][k][1] = lo[3], vf[1][k][2] = hi[1], vf[1][k][3] = hi[3];
+      }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j) {
+      wgmma_fence_operands(s[j]);
+      keep_operands(kf[j]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
+
+    // The online softmax, scores in log2 units. The warps share each column's reference m (one
+    // wgmma sums P over all of their positions), which changes only when a score of any warp
+    // passes it by more than kWideSlack: P = 2^(score - m) <= 2^kWideSlack then, exact in fp16
+    // as any P is, and the sums are float32. Most steps only vote (the barrier they need
+    // anyway); a step whose scores pass sets m to the columns' max through shared memory.
+    float x[W::kMBlocks][16];
+    float over = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j)
+#pragma unroll
+      for (int r = 0; r < 16; ++r) {
+        const int c = 2 * (r >> 2) + (r & 1), hh = (r >> 1) & 1;
+        s[j][r] *= scale[c];
+        if constexpr (kMasked) {
+          const uint32_t pos = base + uint32_t(64 * j + my_position + 2 * hh);
+          if (pos >= limit[c]) s[j][r] = -INFINITY;
+        }
+        x[j][r] = s[j][r] - m[c];  // (+inf where m is still -inf: the step passes)
+        over = fmaxf(over, x[j][r]);
+      }
+    // Every warp is done reading this stage, and the vote.
+    if (__syncthreads_or(over > kWideSlack)) {
+      float top[8];
+#pragma unroll
+      for (int c = 0; c < 8; ++c) top[c] = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < W::kMBlocks; ++j)
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const int c = 2 * (r >> 2) + (r & 1);
+          top[c] = fmaxf(top[c], s[j][r]);
+        }
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+#pragma unroll
+        for (int delta = 4; delta < 32; delta *= 2)
+          top[c] = fmaxf(top[c], __shfl_xor_sync(0xFFFFFFFFu, top[c], delta));
+      if (g == 0) {
+#pragma unroll
+        for (int c = 0; c < 8; ++c)
+          exchange[warp * kWideRows + 8 * (c >> 1) + 2 * qd + (c & 1)] = top[c];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
+        float most = m[c];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) most = fmaxf(most, exchange[w * kWideRows + col]);
+        // (nothing seen yet: no -inf - -inf; the old state is zeros then)
+        const float alpha = exp2_approx(m[c] - (most == -INFINITY ? 0.f : most));
+        m[c] = most;
+        l[c] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) o[j][4 * (c >> 1) + 2 * hh + (c & 1)] *= alpha;
+      }
+#pragma unroll
+      for (int j = 0; j < W::kMBlocks; ++j)
+#pragma unroll
+        for (int r = 0; r < 16; ++r) {
+          const int c = 2 * (r >> 2) + (r & 1);
+          x[j][r] = s[j][r] - (m[c] == -INFINITY ? 0.f : m[c]);
+        }
+    }
+    if (i + kWideStages < num_steps) {
+      copier.copy(const_cast<uint8_t*>(stage), step_base(i + kWideStages));
+      if (i + kWideStages + 1 < num_steps) copier.fetch(step_base(i + kWideStages + 1));
+    }
+    copy_async_commit();
+    // P^T (K-major: row = column of N, positions along K) by stmatrix.trans: m-block j's
+    // 8 x 8 matrices (this warp's rows 8 hh .. 8 hh + 7, columns 8 t ..), lane L giving the
+    // address of row L % 8 of matrix t = L / 8.
+#pragma unroll
+    for (int j = 0; j < W::kMBlocks; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        uint32_t packed[4];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          const float p0 = exp2_approx(x[j][4 * t + 2 * hh]);
+          const float p1 = exp2_approx(x[j][4 * t + 2 * hh + 1]);
+          l[2 * t] += p0;
+          l[2 * t + 1] += p1;
+          packed[t] = pack_f16x2(p0, p1);
+        }
+        const int n = 8 * (lane >> 3) + (lane & 7);
+        stmatrix_x4_trans(p_t + j * W::kBBlockBytes + swizzle128_offset(n, 16 * warp + 8 * hh),
+                          packed[0], packed[1], packed[2], packed[3]);
+      }
+    fence_proxy_async_shared();           // P^T is read by wgmma
+    copy_async_wait<kWideStages - 1>();   // this thread's copies of step i + 1
+    __syncthreads();                      // P^T written, step i + 1 landed
+  };
+  // The steps before the first row's end, then the others.
+  const int unmasked = min(int((mask_from - uint32_t(begin)) / kWideStep), num_steps);
+#pragma unroll 1
+  for (int i = 0; i < unmasked; ++i) step(i, std::false_type{});
+#pragma unroll 1
+  for (int i = unmasked; i < num_steps; ++i) step(i, std::true_type{});
+  issue_values();  // the last step's
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
+  keep_operands(vf[0]);
+  keep_operands(vf[1]);
+  copy_async_wait<0>();
+
+  // Each column's sum over its positions: the lanes of a column (g), then the warps.
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+#pragma unroll
+    for (int delta = 4; delta < 32; delta *= 2)
+      l[c] += __shfl_xor_sync(0xFFFFFFFFu, l[c], delta);
+  __syncthreads();  // (the last step's exchange reads are done)
+  if (g == 0) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      exchange[warp * kWideRows + 8 * (c >> 1) + 2 * qd + (c & 1)] = l[c];
+  }
+  __syncthreads();
+  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
+    if (col >= rows) continue;
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) sum += exchange[w * kWideRows + col];
+    const int64_t row = q_row_of(col);
+    const float lse2 = m[c] == -INFINITY ? -INFINITY : m[c] + __log2f(sum);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int d = 32 * warp + 4 * g + 2 * j + hh;
+        const float value = o[j][4 * (c >> 1) + 2 * hh + (c & 1)];
+        if (lse2 == -INFINITY)
+          write_empty(p, row, split, d, kHead);
+        else
+          write_result(p, row, split, d, kHead, value / sum, lse2, out_scale);
+      }
+  }
+#else
+  __trap();  // launched only where the build has sm_90a code (FewRowsMaxRows)
+#endif
+}
+
+}  // namespace
+}  // namespace nvfp4
