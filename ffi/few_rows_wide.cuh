@@ -278,13 +278,11 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 
   // This lane's columns c = 8 t + 2 q + h (index 2 t + h): scales, ends; the softmax state.
   float scale[8], m[8], l[8];
-  uint32_t limit[8];
 #pragma unroll
   for (int t = 0; t < 4; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       scale[2 * t + h] = col_scale[8 * t + 2 * qd + h];
-      limit[2 * t + h] = col_limit[8 * t + 2 * qd + h];
       m[2 * t + h] = -INFINITY;
       l[2 * t + h] = 0.f;
     }
@@ -404,6 +402,9 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         vf[1][k][0] = lo[1], vf[1][k][1] = lo[3], vf[1][k][2] = hi[1], vf[1][k][3] = hi[3];
       }
     }
+    // (V's fragments pinned before the wait, so that they are converted while S^T is in flight)
+    keep_operands(vf[0]);
+    keep_operands(vf[1]);
     wgmma_wait<0>();
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j) {
@@ -418,24 +419,30 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // passes it by more than kWideSlack: P = 2^(score - m) <= 2^kWideSlack then, exact in fp16
     // as any P is, and the sums are float32. Most steps only vote (the barrier they need
     // anyway); a step whose scores pass sets m to the columns' max through shared memory.
-    float x[W::kMBlocks][16];
+    // x = score - m (+inf where m is still -inf: the step passes), computed again for P
+    // rather than kept (registers); -inf past the column's end.
+    uint32_t limit[8];
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) limit[c] = col_limit[8 * (c >> 1) + 2 * qd + (c & 1)];
+    }
+    const auto x_of = [&](int j, int r, const float (&ref)[8]) {
+      const int c = 2 * (r >> 2) + (r & 1), hh = (r >> 1) & 1;
+      float x = fmaf(s[j][r], scale[c], -ref[c]);
+      if constexpr (kMasked) {
+        if (base + uint32_t(64 * j + my_position + 2 * hh) >= limit[c]) x = -INFINITY;
+      }
+      return x;
+    };
     float over = -INFINITY;
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j)
 #pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        const int c = 2 * (r >> 2) + (r & 1), hh = (r >> 1) & 1;
-        s[j][r] *= scale[c];
-        if constexpr (kMasked) {
-          const uint32_t pos = base + uint32_t(64 * j + my_position + 2 * hh);
-          if (pos >= limit[c]) s[j][r] = -INFINITY;
-        }
-        x[j][r] = s[j][r] - m[c];  // (+inf where m is still -inf: the step passes)
-        over = fmaxf(over, x[j][r]);
-      }
+      for (int r = 0; r < 16; ++r) over = fmaxf(over, x_of(j, r, m));
     // Every warp is done reading this stage, and the vote.
     if (__syncthreads_or(over > kWideSlack)) {
       float top[8];
+      const float zero[8] = {};
 #pragma unroll
       for (int c = 0; c < 8; ++c) top[c] = -INFINITY;
 #pragma unroll
@@ -443,7 +450,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
           const int c = 2 * (r >> 2) + (r & 1);
-          top[c] = fmaxf(top[c], s[j][r]);
+          top[c] = fmaxf(top[c], x_of(j, r, zero));
         }
 #pragma unroll
       for (int c = 0; c < 8; ++c)
@@ -471,14 +478,10 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
           for (int hh = 0; hh < 2; ++hh) o[j][4 * (c >> 1) + 2 * hh + (c & 1)] *= alpha;
       }
-#pragma unroll
-      for (int j = 0; j < W::kMBlocks; ++j)
-#pragma unroll
-        for (int r = 0; r < 16; ++r) {
-          const int c = 2 * (r >> 2) + (r & 1);
-          x[j][r] = s[j][r] - (m[c] == -INFINITY ? 0.f : m[c]);
-        }
     }
+    float ref[8];  // P's reference: m, or 0 for a column that has seen nothing (its P is 0)
+#pragma unroll
+    for (int c = 0; c < 8; ++c) ref[c] = m[c] == -INFINITY ? 0.f : m[c];
     if (i + kWideStages < num_steps) {
       copier.copy(const_cast<uint8_t*>(stage), step_base(i + kWideStages));
       if (i + kWideStages + 1 < num_steps) copier.fetch(step_base(i + kWideStages + 1));
@@ -494,8 +497,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         uint32_t packed[4];
 #pragma unroll
         for (int t = 0; t < 4; ++t) {
-          const float p0 = exp2_approx(x[j][4 * t + 2 * hh]);
-          const float p1 = exp2_approx(x[j][4 * t + 2 * hh + 1]);
+          const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, ref));
+          const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, ref));
           l[2 * t] += p0;
           l[2 * t + 1] += p1;
           packed[t] = pack_f16x2(p0, p1);

@@ -1,6 +1,7 @@
 // Ragged paged attention for the sequences of a few query rows (speculative decoding: 2 to 8
 // draft tokens x the GQA group, at most kFewRows = 16 rows per kv head; head sizes 64 and
-// 128), launched with the ragged kernel by its handler (ragged_cuda.cu), which skips them.
+// 128; at head size 128 with sm_90a code also 17 to 32 rows, on wgmma: few_rows_wide.cuh),
+// launched with the ragged kernel by its handler (ragged_cuda.cu), which skips them.
 //
 // Why a kernel of its own: such a tile is memory-bound, and the ragged kernel's path through
 // shared memory (every position converted into an fp16 tile, two CTA barriers a step, 2 CTAs

@@ -37,10 +37,11 @@ inline constexpr int64_t kRaggedSplitStep = 64;
 
 // The few-row kernel (ragged_few_rows.cu) takes the sequences whose query rows per kv head
 // (tokens x the GQA group) number at most kFewRows (its MMA's N), head sizes up to
-// kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS and FEW_ROWS_MAX_HEAD_SIZE). 16,
-// not 32: with 32 rows (4 n-tiles) the kernel spilled and took 514 us at 32 x 8 over 8192
-// where the ragged kernel's tiles take 354 us, and pairs of warps sharing each chunk (half the
-// head dims each) took 385 us against the pipelined kernel's 346 (H200, benchmarks/NOTES.md).
+// kFewRowsMaxHead (jax_nvfp4/ragged_primitive.py, FEW_ROWS and FEW_ROWS_MAX_HEAD_SIZE). 16 on
+// its mma.sync loop: with 32 rows (4 n-tiles) a warp spilled and took 514 us at 32 x 8 over
+// 8192, and pairs of warps sharing each chunk took 385 us; the wgmma path below (one
+// warpgroup, the accumulators spread over its 128 threads) takes 196 us (H200,
+// benchmarks/NOTES.md).
 inline constexpr int32_t kFewRows = 16;
 inline constexpr int64_t kFewRowsMaxHead = 128;
 // At head size 128 the kernel also takes 17 to 32 rows on wgmma (few_rows_wide.cuh), where the

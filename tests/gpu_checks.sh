@@ -192,6 +192,10 @@ command_of() {
             CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${files[@]}") ;;
         *)
             sanitizer_env "$tool"
+            # memcheck crashed the process (rc 139, 0 errors, at a different test each run) under
+            # the decode kernel's cluster launches and ran through without them (TESTING.md): its
+            # decode group runs with the cluster merge switched off (the merge kernel instead).
+            [[ "$part" == memcheck:decode ]] && CMD=(env JAX_NVFP4_CLUSTER_MERGE=0 "${CMD[@]:1}")
             CMD+=(--kernel-name kns=nvfp4)
             case "$group" in
                 store) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${STORE_FILES[@]}") ;;

@@ -123,7 +123,10 @@ def test_dry_run_commands():
             assert "compute-sanitizer" not in " ".join(argv), part
             continue
         tool, group = part.split(":")
-        assert env == dict(SANITIZER_ENV, JAX_NVFP4_SANITIZER=tool.replace("-all", "")), part
+        expected = dict(SANITIZER_ENV, JAX_NVFP4_SANITIZER=tool.replace("-all", ""))
+        if part == "memcheck:decode":  # (memcheck crashed under the cluster launches)
+            expected["JAX_NVFP4_CLUSTER_MERGE"] = "0"
+        assert env == expected, part
         assert argv[0].endswith("compute-sanitizer") and argv[1:5] == [
             "--tool", tool.replace("-all", ""), "--error-exitcode", "99"], argv
         filtered = argv[5:7] == ["--kernel-name", "kns=nvfp4"]
