@@ -80,13 +80,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import glob
 import json
 import math
 import os
 import re
 import sys
-import tempfile
 import time
 
 # This folder's store_bench (ceiling, asynchronous timer) and attention_bench (chained reader
@@ -503,59 +501,24 @@ def scopes_of(hlo_text):
     return {n: s or "rest" for n, s in scope.items()}
 
 
-def self_times(events):
-    """[(start, end, payload)] on one timeline -> [(self time, payload)]: an event's duration
-    less the events nested in it (a while loop's body, a call)."""
-    out, stack = [], []
-    for start, end, payload in sorted(events, key=lambda e: (e[0], -e[1])):
-        while stack and stack[-1][1] <= start:
-            stack.pop()
-        out.append([end - start, payload])
-        if stack:
-            stack[-1][2][0] -= min(end, stack[-1][1]) - start
-        stack.append((start, end, out[-1]))
-    return [(max(t, 0), p) for t, p in out]
-
-
 def profile_split(xplane_path, module_name, scopes, steps):
     """Device time per step of the module's op events, by scope: {"attention", "store",
     "rest", "unattributed"} in seconds, plus where the events came from."""
-    from jax.profiler import ProfileData
-
-    data = ProfileData.from_file(xplane_path)
-    lines = {}
-    for plane in data.planes:
-        for line in plane.lines:
-            events = []
-            for ev in line.events:
-                stats = dict(ev.stats)
-                op = stats.get("hlo_op")
-                module = str(stats.get("hlo_module", ""))
-                # An event that names no module is taken: only the step runs while profiling.
-                if op is None or (module and not module.startswith(module_name)):
-                    continue
-                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, str(op)))
-            if events:
-                lines[(plane.name, line.name)] = events
-    device = {k: v for k, v in lines.items() if k[0].startswith("/device:")}
-    # XLA's derived timelines repeat the stream's kernels; keep the streams where they exist.
-    streams = {k: v for k, v in device.items() if k[1].lower().startswith("stream")}
-    chosen = streams or device or lines
+    chosen = store_bench.op_timelines(xplane_path, module_name)
     split = {"attention": 0.0, "store": 0.0, "rest": 0.0, "unattributed": 0.0}
     for events in chosen.values():
-        for t, op in self_times(events):
+        for t, op in store_bench.self_times(events):
             split[scopes.get(op, "unattributed")] += t * 1e-9 / steps
     return split, sorted(f"{p} / {n}" for p, n in chosen)
 
 
 def profile_steps(run_steps, steps, module_name, scopes):
-    with tempfile.TemporaryDirectory() as folder:
-        with jax.profiler.trace(folder):
-            run_steps(steps)
-        paths = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-        if not paths:
-            return None, []
-        return profile_split(paths[0], module_name, scopes, steps)
+    _, trace = store_bench.traced(lambda: run_steps(steps))
+    if trace is None:
+        return None, []
+    folder, path = trace
+    with folder:
+        return profile_split(path, module_name, scopes, steps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -588,10 +551,9 @@ def compile_step(step, params, tables, scales, cache, tokens, lens, compiler_opt
     return lowered.compile(compiler_options) if compiler_options else lowered.compile()
 
 
-# The profiled step is compiled without XLA's command buffers (CUDA graphs): inside one, every
-# kernel's event names the command buffer (hlo_op "command_buffer_1"), not its instruction, and
-# nothing could be attributed (H200, jax 0.11.2). The timed step keeps them, as users run it.
-PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+# The profiled step is compiled without XLA's command buffers (store_bench: inside one nothing
+# could be attributed); the timed step keeps them, as users run it.
+PROFILE_COMPILER_OPTIONS = store_bench.PROFILE_COMPILER_OPTIONS
 
 
 def temp_bytes(compiled):

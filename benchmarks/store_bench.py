@@ -9,7 +9,10 @@ them; every call gets its own slot_mapping). The program runs with the cache don
 time is measured after block_until_ready, median of several runs, for two chain lengths n1 < n2.
 Per call = (t(n2) - t(n1)) / (n2 - n1): the program's fixed cost (dispatch, the first launch)
 cancels, what remains is the device time of one call plus its share of launch gaps inside
-the program.
+the program. Calls of at most --device-time-max-tokens tokens (256) are also timed from a
+profiler trace of the longer chain (compiled without command buffers): the self time of its
+kernels' events summed, over n2 (the "kernels' µs" column): no launch gaps, the time the issue
+asks the small stores to be compared by.
 
 Bytes per call: K and V read (2 * tokens * heads * head_size * 2 bytes for bf16) plus the cache
 bytes written (tokens * heads * 2 * F for NVFP4, F = head_size * 9 / 16; 2 bytes per element for
@@ -21,9 +24,11 @@ calls queued back to back (again the difference of two counts).
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import statistics
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -105,23 +110,98 @@ def _time_program(fn, state, args, repeats):
     return statistics.median(times), state
 
 
+def _chain(step, n):
+    """One program of n chained calls of step (the state donated and threaded through)."""
+    def program(state, calls):
+        for args in calls[:n]:
+            state = step(state, *args)
+        return state
+
+    return jax.jit(program, donate_argnums=0)
+
+
 def chained_time(step, state, per_call_args, n1, n2, repeats):
     """Device seconds per call of step(state, *args_i), by the difference of two chain lengths.
 
     per_call_args: a list of at least n2 argument tuples (one per chained call).
     """
-
-    def chain(n):
-        def program(state, calls):
-            for args in calls[:n]:
-                state = step(state, *args)
-            return state
-
-        return jax.jit(program, donate_argnums=0)
-
-    t1, state = _time_program(chain(n1), state, (per_call_args[:n1],), repeats)
-    t2, state = _time_program(chain(n2), state, (per_call_args[:n2],), repeats)
+    t1, state = _time_program(_chain(step, n1), state, (per_call_args[:n1],), repeats)
+    t2, state = _time_program(_chain(step, n2), state, (per_call_args[:n2],), repeats)
     return max(t2 - t1, 0.0) / (n2 - n1), state
+
+
+# ---------------------------------------------------------------------------------------------
+# Device time from a profiler trace: the kernels' own time, launch gaps left out (the small
+# stores, where chain differences are noisier than what they compare; serving_bench.py's split
+# of a decode step).
+
+# Programs compiled for a trace run without XLA's command buffers (CUDA graphs): inside one,
+# every kernel's event names the command buffer, not its instruction (H200, jax 0.11.2).
+PROFILE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def self_times(events):
+    """[(start, end, payload)] on one timeline -> [(self time, payload)]: an event's duration
+    less the events nested in it (a while loop's body, a call)."""
+    out, stack = [], []
+    for start, end, payload in sorted(events, key=lambda e: (e[0], -e[1])):
+        while stack and stack[-1][1] <= start:
+            stack.pop()
+        out.append([end - start, payload])
+        if stack:
+            stack[-1][2][0] -= min(end, stack[-1][1]) - start
+        stack.append((start, end, out[-1]))
+    return [(max(t, 0), p) for t, p in out]
+
+
+def op_timelines(xplane_path, module_name=None):
+    """{(plane, line): [(start_ns, end_ns, hlo op)]} of a trace's op events (of the module whose
+    name starts with module_name, where given: an event that names no module is taken), on the
+    device's streams where there are any (XLA's derived timelines repeat their kernels), else on
+    the device's lines, else on any."""
+    from jax.profiler import ProfileData
+
+    lines = {}
+    for plane in ProfileData.from_file(xplane_path).planes:
+        for line in plane.lines:
+            events = []
+            for ev in line.events:
+                stats = dict(ev.stats)
+                op = stats.get("hlo_op")
+                module = str(stats.get("hlo_module", ""))
+                if op is None or (module_name and module and not module.startswith(module_name)):
+                    continue
+                events.append((ev.start_ns, ev.start_ns + ev.duration_ns, str(op)))
+            if events:
+                lines[(plane.name, line.name)] = events
+    device = {k: v for k, v in lines.items() if k[0].startswith("/device:")}
+    streams = {k: v for k, v in device.items() if k[1].lower().startswith("stream")}
+    return streams or device or lines
+
+
+def traced(run):
+    """run() under jax.profiler.trace: (its result, the trace's .xplane.pb bytes' path in a
+    folder that lives until the caller is done: a TemporaryDirectory, or None where no trace
+    was written)."""
+    folder = tempfile.TemporaryDirectory()
+    with jax.profiler.trace(folder.name):
+        result = run()
+    paths = glob.glob(os.path.join(folder.name, "**", "*.xplane.pb"), recursive=True)
+    return result, (folder, paths[0]) if paths else None
+
+
+def profiled_chain_time(step, state, per_call_args, n):
+    """Device seconds per call of a chain of n calls from the kernels' events in a profiler
+    trace (their self times summed; None where the trace has no op events), and the state."""
+    program = _chain(step, n).lower(state, per_call_args[:n]).compile(PROFILE_COMPILER_OPTIONS)
+    state = _ready(program(state, per_call_args[:n]))  # warm
+    state, trace = traced(lambda: _ready(program(state, per_call_args[:n])))
+    if trace is None:
+        return None, state
+    folder, path = trace
+    with folder:
+        total_ns = sum(t for events in op_timelines(path).values() for t, _ in self_times(events))
+    return (total_ns * 1e-9 / n if total_ns > 0 else None), state
 
 
 def chain_lengths(step, state, per_call_args, target_s):
@@ -305,15 +385,21 @@ def run(args):
             n1, n2, state = chain_lengths(step, state, calls, args.target_seconds)
             per_call, state = chained_time(step, state, calls, n1, min(n2, len(calls)),
                                            args.repeats)
+            kernels_s = None
+            if tokens <= args.device_time_max_tokens:
+                kernels_s, state = profiled_chain_time(step, state, calls, min(n2, len(calls)))
             del state
             nbytes = store_bytes(tokens, heads, head_size, name)
             row = {"tokens": tokens, "kv_heads": heads, "head_size": head_size, "method": name,
                    "us_per_call": per_call * 1e6, "bytes": nbytes,
-                   "GBps": nbytes / per_call / 1e9 if per_call > 0 else float("nan")}
+                   "GBps": nbytes / per_call / 1e9 if per_call > 0 else float("nan"),
+                   "device_us_per_call": None if kernels_s is None else kernels_s * 1e6}
             # Off a GPU the "ceiling" is a host memory copy: a share of it says nothing.
             row["pct_ceiling"] = 100 * row["GBps"] * 1e9 / ceil_bps if gpu else None
             rows.append(row)
             share = f" {row['pct_ceiling']:>6.1f}% of ceiling" if gpu else ""
+            if kernels_s is not None:
+                share += f"  (profiler: {kernels_s * 1e6:.2f} us of kernels a call)"
             print(f"{tokens:>7} tok {heads:>2} heads D={head_size:<3} {name:<20} "
                   f"{row['us_per_call']:>10.2f} us {row['GBps']:>8.1f} GB/s{share}", flush=True)
 
@@ -345,12 +431,15 @@ def markdown(result):
              f"{rate_text(c['ceiling_Bps'])} (read + write; elementwise "
              f"{rate_text(c['elementwise_Bps'])}, device_put copy "
              f"{rate_text(c['device_put_copy_Bps'])}).", "",
-             "| tokens | kv heads | head size | method | µs / call | GB/s | % of ceiling |",
-             "| ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
+             "| tokens | kv heads | head size | method | µs / call | kernels' µs / call (profiler) "
+             "| GB/s | % of ceiling |",
+             "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
     for r in result["rows"]:
         share = "-" if r["pct_ceiling"] is None else f"{r['pct_ceiling']:.1f}"
+        device = r.get("device_us_per_call")
+        device = "-" if device is None else f"{device:.2f}"
         lines.append(f"| {r['tokens']} | {r['kv_heads']} | {r['head_size']} | {r['method']} | "
-                     f"{r['us_per_call']:.2f} | {r['GBps']:.1f} | {share} |")
+                     f"{r['us_per_call']:.2f} | {device} | {r['GBps']:.1f} | {share} |")
     if result["cache_size_rows"]:
         lines += ["", "| cache size | tokens stored | µs / call |", "| ---: | ---: | ---: |"]
         for r in result["cache_size_rows"]:
@@ -400,6 +489,9 @@ def main(argv=None):
     p.add_argument("--heads", type=int, nargs="*", help="override the kv head counts")
     p.add_argument("--methods", nargs="*", help="only methods whose name starts with one of these")
     p.add_argument("--no-cache-sizes", action="store_true", help="skip the 1 vs 64 GiB cache test")
+    p.add_argument("--device-time-max-tokens", type=int, default=256,
+                   help="also time the calls of at most this many tokens from a profiler trace "
+                        "(the kernels' own time; 0: none)")
     args = p.parse_args(argv)
     overrides = {"tokens": args.tokens, "heads": args.heads}
     if args.quick:

@@ -2,8 +2,8 @@
 
 Runs a reduced --quick (16 tokens, the NVFP4 store and the jnp reference, no cache-size rows) in
 a subprocess on the CPU backend and checks what it prints: the smoke-run note once, first; the
-ceiling in units that fit; no share of the ceiling (meaningless off a GPU); where the files
-went; the table last. About 15 s on 2 CPU cores.
+ceiling in units that fit; no share of the ceiling (meaningless off a GPU); the small calls'
+profiler time; where the files went; the table last. About 15 s on 2 CPU cores.
 """
 
 import importlib.util
@@ -32,3 +32,6 @@ def test_store_bench_quick_on_cpu(tmp_path):
     result = json.loads((tmp_path / "store_bench.json").read_text())
     assert result["platform"] == "cpu" and all(r["pct_ceiling"] is None for r in result["rows"])
     assert all(r["us_per_call"] > 0 for r in result["rows"])
+    # 16 tokens <= --device-time-max-tokens: also the kernels' own time from a profiler trace
+    assert all(r["device_us_per_call"] > 0 for r in result["rows"])
+    assert table.splitlines()[0].split(" | ")[5] == "kernels' µs / call (profiler)"
