@@ -174,6 +174,11 @@ def test_few_rows_only_rule():
     assert not rp.few_rows_only(9, 32, 8, 128, rp.FEW_ROWS_WIDE)
     assert rp.few_rows_max(128) in (rp.FEW_ROWS, rp.FEW_ROWS_WIDE)
     assert rp.few_rows_max(64) == rp.FEW_ROWS and rp.few_rows_max(256) == rp.FEW_ROWS
+    # The plan counts 32 x 8 tokens x GQA 4 (32 rows a sequence) as a few-row CTA per (sequence,
+    # kv head), as 32 x 4, where the kernel takes 32 rows; as query tiles where it does not.
+    assert (rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 2, few_rows=rp.FEW_ROWS_WIDE)
+            == rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2, 2) == (1, 8192))
+    assert rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 2) == (2, 4096)
     # Alone, the plan counts the few-row kernel's CTAs whatever num_tokens says.
     assert (rp.plan_splits(1, 2048, 32, 8, 32, 128, 8192, 132, 2, 2, alone=True) ==
             rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2, 2))
