@@ -187,41 +187,10 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   constexpr int kHead = kWideHead;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
-  const int32_t group = int32_t(grid.group.divisor);
-  const int rows = q_len * group;
-  const int32_t block_size = int32_t(grid.block_size.divisor);
-  const SplitRange range = split_range(p, grid, member, b, q_len, split);
-  const int32_t begin = range.begin;
-  const int32_t last_end = min(range.row_limit(q_len - 1), range.split_end);
-  const int64_t member_rows = int64_t(member) * p.num_tokens * p.num_q_heads;
-  const auto q_row_of = [&](int r) {
-    uint32_t h;
-    const uint32_t j = grid.group.divmod(uint32_t(r), &h);
-    return member_rows + int64_t(start + int32_t(j)) * p.num_q_heads + kv_head * group +
-           int32_t(h);
-  };
-  const auto row_end = [&](int r) {
-    return r < rows ? uint32_t(max(range.row_end(grid, r), begin)) : uint32_t(begin);
-  };
-  if (begin >= last_end) {
-    for (int i = threadIdx.x; i < rows * kHead; i += kWideThreads)
-      write_empty(p, q_row_of(i / kHead), split, i % kHead, kHead);
-    return;
-  }
-
-  PageView<kLayout> pv;
-  const int32_t side_bytes = int32_t(p.page.side_bytes());
-  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
-  pv.table = p.block_tables +
-             ((p.tables_stacked ? int64_t(member) * p.max_num_seqs : 0) + b) * p.max_blocks;
-  pv.page_bytes = 2 * int64_t(side_bytes);
-  pv.side_bytes = side_bytes;
-  pv.side_data = int32_t(p.page.side_data_bytes());
-  pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
-  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
-  pv.last_page = p.num_blocks - 1;
-  pv.block_size = grid.block_size;
-  pv.tile_in_page = block_size % 16 == 0;
+  const FewRowsSequence seq(p, grid, b, kv_head, member, split, start, q_len);
+  if (seq.nothing_to_attend<kHead, kWideThreads>(split)) return;
+  const int rows = seq.rows;
+  const PageView<kLayout> pv = sequence_page_view<kLayout>(p, grid, member, b, kv_head);
 
   uint8_t* const q_t = smem + W::kQAt;
   uint8_t* const p_t = smem + W::kPAt;
@@ -230,9 +199,9 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   uint32_t* const col_limit = reinterpret_cast<uint32_t*>(smem + W::kColLimitAt);
   float* const exchange = reinterpret_cast<float*>(smem + W::kExchangeAt);  // [warp][column]
 
-  const uint32_t end = uint32_t(last_end);
-  const int num_steps = int((end - uint32_t(begin) + kWideStep - 1) / kWideStep);
-  const auto step_base = [&](int i) { return uint32_t(begin) + uint32_t(i * kWideStep); };
+  const uint32_t begin = uint32_t(seq.begin), end = uint32_t(seq.last_end);
+  const int num_steps = int((end - begin + kWideStep - 1) / kWideStep);
+  const auto step_base = [&](int i) { return begin + uint32_t(i * kWideStep); };
   // The ring's first stages, one copy group a step (empty past the last: the waits count groups).
   WideCopy<kSwizzle, kLayout> copier(pv, end);
 #pragma unroll 1
@@ -254,7 +223,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     const int r = 8 * warp + g;
     uint32_t f[Shape<kHead>::kKTiles][2];
     float scale[2];
-    q_fragments<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows,
+    q_fragments<kHead>(p.q, p.q_type, (r < rows ? seq.q_row(r) : 0) * kHead, r < rows,
                        k_times_sm_scale, lane, f, scale);
 #pragma unroll
     for (int s = 0; s < Shape<kHead>::kKTiles; ++s)
@@ -268,7 +237,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         col_scale[8 * warp + 2 * qd + h] = scale[h];
-        col_limit[8 * warp + 2 * qd + h] = row_end(8 * warp + 2 * qd + h);
+        col_limit[8 * warp + 2 * qd + h] = seq.row_end(8 * warp + 2 * qd + h);
       }
     }
   }
@@ -286,7 +255,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       m[2 * t + h] = -INFINITY;
       l[2 * t + h] = 0.f;
     }
-  const uint32_t mask_from = row_end(0);  // every later row sees more
+  const uint32_t mask_from = seq.row_end(0);  // every later row sees more
   float o[2][16];  // O^T, m-block j: rows g, g + 8 = dims 32 w + 4 g + 2 j, + 1
 #pragma unroll
   for (int j = 0; j < 2; ++j)
@@ -512,7 +481,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     __syncthreads();                      // P^T written, step i + 1 landed
   };
   // The steps before the first row's end, then the others.
-  const int unmasked = min(int((mask_from - uint32_t(begin)) / kWideStep), num_steps);
+  const int unmasked = min(int((mask_from - begin) / kWideStep), num_steps);
 #pragma unroll 1
   for (int i = 0; i < unmasked; ++i) step(i, std::false_type{});
 #pragma unroll 1
@@ -546,7 +515,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) sum += exchange[w * kWideRows + col];
-    const int64_t row = q_row_of(col);
+    const int64_t row = seq.q_row(col);
     const float lse2 = m[c] == -INFINITY ? -INFINITY : m[c] + __log2f(sum);
 #pragma unroll
     for (int j = 0; j < 2; ++j)

@@ -152,6 +152,77 @@ __device__ __forceinline__ SplitRange split_range(const RaggedProblem& p, const 
   return r;
 }
 
+// The pages of sequence `seq` of `member` for kv head `kv_head`; tiles of 16 positions lie in one
+// page where the block size is a multiple of 16 (fetch_pages' one entry a tile).
+template <Layout kLayout>
+__device__ __forceinline__ PageView<kLayout> sequence_page_view(const RaggedProblem& p,
+                                                                const RaggedGrid& grid,
+                                                                int32_t member, int32_t seq,
+                                                                int32_t kv_head) {
+  PageView<kLayout> pv;
+  const int32_t side_bytes = int32_t(p.page.side_bytes());
+  const int32_t block_size = int32_t(grid.block_size.divisor);
+  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
+  pv.table = p.block_tables +
+             ((p.tables_stacked ? int64_t(member) * p.max_num_seqs : 0) + seq) * p.max_blocks;
+  pv.page_bytes = 2 * int64_t(side_bytes);
+  pv.side_bytes = side_bytes;
+  pv.side_data = int32_t(p.page.side_data_bytes());
+  pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
+  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
+  pv.last_page = p.num_blocks - 1;
+  pv.block_size = grid.block_size;
+  pv.tile_in_page = block_size % 16 == 0;
+  return pv;
+}
+
+// One CTA's sequence in the few-row kernel (either path, ragged_few_rows.cu and
+// few_rows_wide.cuh): its rows (query tokens x the query heads of one kv head), the positions
+// of this split they attend to, and where each row's results go.
+struct FewRowsSequence {
+  const RaggedProblem& p;
+  const RaggedGrid& grid;
+  SplitRange range;
+  int64_t member_rows;   // the first of the member's [T, Hq] rows
+  int32_t start, kv_head, group, rows;
+  int32_t begin, last_end;  // positions [begin, last_end): the last row's in this split
+
+  __device__ __forceinline__ FewRowsSequence(const RaggedProblem& p_, const RaggedGrid& grid_,
+                                             int32_t b, int32_t kv_head_, int32_t member,
+                                             int32_t split, int32_t start_, int32_t q_len)
+      : p(p_),
+        grid(grid_),
+        range(split_range(p_, grid_, member, b, q_len, split)),
+        member_rows(int64_t(member) * p_.num_tokens * p_.num_q_heads),
+        start(start_),
+        kv_head(kv_head_),
+        group(int32_t(grid_.group.divisor)),
+        rows(q_len * int32_t(grid_.group.divisor)),
+        begin(range.begin),
+        last_end(min(range.row_limit(q_len - 1), range.split_end)) {}
+
+  // Row r's index among the member's [T, Hq] rows.
+  __device__ __forceinline__ int64_t q_row(int r) const {
+    uint32_t h;
+    const uint32_t j = grid.group.divmod(uint32_t(r), &h);
+    return member_rows + int64_t(start + int32_t(j)) * p.num_q_heads + kv_head * group +
+           int32_t(h);
+  }
+  // The end of row r's positions in this split (a row past `rows`: none).
+  __device__ __forceinline__ uint32_t row_end(int r) const {
+    return r < rows ? uint32_t(max(range.row_end(grid, r), begin)) : uint32_t(begin);
+  }
+  // Whether the split has nothing for the rows to attend to; then the CTA's kThreads threads
+  // write their empty results.
+  template <int kHead, int kThreads>
+  __device__ __forceinline__ bool nothing_to_attend(int32_t split) const {
+    if (begin < last_end) return false;
+    for (int i = threadIdx.x; i < rows * kHead; i += kThreads)
+      write_empty(p, q_row(i / kHead), split, i % kHead, kHead);
+    return true;
+  }
+};
+
 // [start_0, start_ns): the tokens some sequence owns (every lane gets them).
 __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int32_t num_tokens,
                                              int lane, int32_t* first, int32_t* last) {

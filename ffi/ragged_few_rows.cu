@@ -75,31 +75,9 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   static_assert(kNT >= 1 && kNT <= kNTiles, "n-tiles");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
-  const int32_t max_num_seqs = p.max_num_seqs;
-  const int32_t group = int32_t(grid.group.divisor);
-  const int rows = q_len * group;
-
-  const int32_t block_size = int32_t(grid.block_size.divisor);
-  const SplitRange range = split_range(p, grid, member, b, q_len, split);
-  const int32_t begin = range.begin;
-  const int32_t last_end = min(range.row_limit(q_len - 1), range.split_end);
-  const int64_t member_rows = int64_t(member) * p.num_tokens * p.num_q_heads;
-  const auto q_row_of = [&](int r) {  // row r's index among the member's [T, Hq] rows
-    uint32_t h;
-    const uint32_t j = grid.group.divmod(uint32_t(r), &h);
-    return member_rows + int64_t(start + int32_t(j)) * p.num_q_heads + kv_head * group +
-           int32_t(h);
-  };
-  // The end of row r's positions in this split (a row past `rows`: none).
-  const auto row_end = [&](int r) {
-    return r < rows ? uint32_t(max(range.row_end(grid, r), begin)) : uint32_t(begin);
-  };
-
-  if (begin >= last_end) {  // nothing to attend to in this split
-    for (int i = threadIdx.x; i < rows * kHead; i += kThreads)
-      write_empty(p, q_row_of(i / kHead), split, i % kHead, kHead);
-    return;
-  }
+  const FewRowsSequence seq(p, grid, b, kv_head, member, split, start, q_len);
+  if (seq.nothing_to_attend<kHead, kThreads>(split)) return;
+  const int rows = seq.rows;
 
   // Per n-tile t: q of row 8t + g (column g) as B fragments, the scores' scales and the ends
   // of the lane's columns 8t + 2q, + 1.
@@ -112,27 +90,16 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   for (int t = 0; t < kNT; ++t) {
     const int r = 8 * t + g;
     uint32_t f[S::kKTiles][2];
-    q_fragments<kHead>(p.q, p.q_type, (r < rows ? q_row_of(r) : 0) * kHead, r < rows,
+    q_fragments<kHead>(p.q, p.q_type, (r < rows ? seq.q_row(r) : 0) * kHead, r < rows,
                        k_times_sm_scale, lane, f, score_scale[t]);
 #pragma unroll
     for (int k = 0; k < S::kKTiles; ++k) qf.f[t][k][0] = f[k][0], qf.f[t][k][1] = f[k][1];
-    limit[t][0] = row_end(8 * t + 2 * qd);
-    limit[t][1] = row_end(8 * t + 2 * qd + 1);
+    limit[t][0] = seq.row_end(8 * t + 2 * qd);
+    limit[t][1] = seq.row_end(8 * t + 2 * qd + 1);
   }
 
-  PageView<kLayout> pv;
-  const int32_t side_bytes = int32_t(p.page.side_bytes());
-  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
-  pv.table = p.block_tables +
-             ((p.tables_stacked ? int64_t(member) * max_num_seqs : 0) + b) * p.max_blocks;
-  pv.page_bytes = 2 * int64_t(side_bytes);
-  pv.side_bytes = side_bytes;
-  pv.side_data = int32_t(p.page.side_data_bytes());
-  pv.head_row = kLayout == Layout::kHND ? kv_head * block_size : kv_head;
-  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
-  pv.last_page = p.num_blocks - 1;
-  pv.block_size = grid.block_size;
-  pv.tile_in_page = block_size % 16 == 0;
+  const PageView<kLayout> pv = sequence_page_view<kLayout>(p, grid, member, b, kv_head);
+  const uint32_t begin = uint32_t(seq.begin), last_end = uint32_t(seq.last_end);
 
   // Positions [begin, last_end): the last row's; chunks reaching past the first row's end are
   // masked per row (every later row sees more).
@@ -140,19 +107,19 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
   init_state(st);
   if constexpr (kFewRowsStaged) {
     attend_chunks_staged<kFewRowsStagedSlots, kHead, kSwizzle, kLayout, kNT>(
-        pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
-        first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), smem, st);
+        pv, begin, last_end, seq.row_end(0), limit, qf, score_scale, warp, lane,
+        first_chunk_pages<kHead>(pv, begin, last_end, warp), smem, st);
     __syncthreads();  // every warp is done with its slots: the merge reuses them
   } else {
     attend_chunks<kHead, kSwizzle, kLayout, kNT>(
-        pv, uint32_t(begin), uint32_t(last_end), row_end(0), limit, qf, score_scale, warp, lane,
-        first_chunk_pages<kHead>(pv, uint32_t(begin), uint32_t(last_end), warp), st);
+        pv, begin, last_end, seq.row_end(0), limit, qf, score_scale, warp, lane,
+        first_chunk_pages<kHead>(pv, begin, last_end, warp), st);
   }
 
   const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
   merge_warps<kHead, kNT>(st, reinterpret_cast<float*>(smem), rows, warp, lane,
                           [&](int r, int d, float value, float lse2) {
-                            const int64_t row = q_row_of(r);
+                            const int64_t row = seq.q_row(r);
                             if (lse2 == -INFINITY) {  // nothing attended to in this split
                               write_empty(p, row, split, d, kHead);
                             } else {

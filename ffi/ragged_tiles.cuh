@@ -308,18 +308,7 @@ template <Layout kLayout>
 __device__ __forceinline__ PageView<kLayout> tile_page_view(const RaggedProblem& p,
                                                             const RaggedGrid& grid, int32_t member,
                                                             int32_t seq, int32_t kv_head) {
-  PageView<kLayout> pv;
-  const int32_t side_bytes = int32_t(p.page.side_bytes());
-  pv.cache = p.kv_cache + int64_t(member) * p.num_blocks * 2 * side_bytes;
-  pv.table = p.block_tables +
-             ((p.tables_stacked ? int64_t(member) * p.max_num_seqs : 0) + seq) * p.max_blocks;
-  pv.page_bytes = 2 * int64_t(side_bytes);
-  pv.side_bytes = side_bytes;
-  pv.side_data = int32_t(p.page.side_data_bytes());
-  pv.head_row = kLayout == Layout::kHND ? kv_head * int32_t(grid.block_size.divisor) : kv_head;
-  pv.num_kv_heads = int32_t(p.page.num_kv_heads);
-  pv.last_page = p.num_blocks - 1;
-  pv.block_size = grid.block_size;
+  PageView<kLayout> pv = sequence_page_view<kLayout>(p, grid, member, seq, kv_head);
   pv.tile_in_page = false;
   return pv;
 }
