@@ -99,38 +99,6 @@ __device__ __forceinline__ int wide_v_code_at(int p, int c) {
   return WideShape::kVCodeAt + p * WideShape::kCodeBytes + ((c ^ ((p >> 2) & 3)) << 4);
 }
 
-__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
-                   shared_address(p)),
-               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-               : "memory");
-}
-
-// d[64 x 32] += a[64 x 16] b[16 x 32], b K-major in shared memory.
-__device__ __forceinline__ void wgmma_64x32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  asm volatile(
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, "
-      "0;\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-#endif
-}
-
-// Keeps registers that an asynchronous wgmma reads (its A fragments) alive and unchanged until
-// this point (after its wait): an empty asm that "modifies" them.
-template <int N>
-__device__ __forceinline__ void keep_operands(uint32_t (&a)[N][4]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
-}
-
 // One thread's share of the ring's copies: position p = t % kWideStep of each step, side
 // t / kWideStep (K, V), zero-filled at or past `end`. The block-table entry of the next step
 // to copy is read a step ahead (fetch), so that its latency never holds up the copies.
@@ -330,8 +298,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // V^T's A fragments (the step before's product, which reads them, done first): k16 step
     // k's 16 positions through ldmatrix.trans, this warp's dims 32 w .. 32 w + 31 (lane g: 4).
     wgmma_wait<1>();
-    keep_operands(vf[0]);
-    keep_operands(vf[1]);
+    wgmma_keep_a_operands(vf[0]);
+    wgmma_keep_a_operands(vf[1]);
 #pragma unroll
     for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
       uint32_t x[4];  // k-steps 2 k2 (lo, hi), 2 k2 + 1 (lo, hi)
@@ -372,13 +340,13 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       }
     }
     // (V's fragments pinned before the wait, so that they are converted while S^T is in flight)
-    keep_operands(vf[0]);
-    keep_operands(vf[1]);
+    wgmma_keep_a_operands(vf[0]);
+    wgmma_keep_a_operands(vf[1]);
     wgmma_wait<0>();
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j) {
       wgmma_fence_operands(s[j]);
-      keep_operands(kf[j]);
+      wgmma_keep_a_operands(kf[j]);
     }
 #pragma unroll
     for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
@@ -490,8 +458,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
-  keep_operands(vf[0]);
-  keep_operands(vf[1]);
+  wgmma_keep_a_operands(vf[0]);
+  wgmma_keep_a_operands(vf[1]);
   copy_async_wait<0>();
 
   // Each column's sum over its positions: the lanes of a column (g), then the warps.

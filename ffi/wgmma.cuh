@@ -115,6 +115,31 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Keeps registers that an asynchronous wgmma reads (its A fragments) alive and unchanged until
+// this point (after its wait): an empty asm that "modifies" them (no instruction).
+template <int N>
+__device__ __forceinline__ void wgmma_keep_a_operands(uint32_t (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
+}
+
+// d[64 x 32] += a[64 x 16] b[16 x 32], b K-major (the few-row kernel's wide path,
+// few_rows_wide.cuh).
+__device__ __forceinline__ void wgmma_64x32(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, 1, 1, 1, "
+      "0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#endif
+}
+
 // d[64 x 64] += a[64 x 16] b[16 x 64]; kTransB: b is MN-major (else K-major).
 template <int kTransB>
 __device__ __forceinline__ void wgmma_64x64(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
