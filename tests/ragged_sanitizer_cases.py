@@ -3,9 +3,10 @@ code path once and small (head sizes 64/128/256, both layouts, both V-scale orde
 8..32, GQA 1/4, tiles of 4 to 64 rows on mma.sync and wgmma, a split-KV plan with its merge, the
 zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token
 sequences on the decode kernel, the few-row kernel alone under max_q_len with its fill and a
-sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel), each checked
-against the jnp path run on the CPU (with the same bound: the same NaN rows). On a GPU
-machine, from the repository root (TESTING.md has the environment the sanitizers need):
+sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel or the few-row
+kernel's wgmma path), each checked against the jnp path run on the CPU (with the same bound:
+the same NaN rows). On a GPU machine, from the repository root (TESTING.md has the environment
+the sanitizers need):
 
     compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
 """
@@ -37,6 +38,13 @@ cases = [
     # the same under max_q_len 8 (x GQA 4: over the few-row kernel's 16), linear scales, a
     # sequence over the bound
     (10, ((3000, 8), (2500, 1), (40, 6), (60, 9), (0, 1)), 128, "NHD", False, 16, 2, 8, 8),
+    # 17 to 32 rows on the few-row kernel's wgmma path (sm_90a) with pages of 12 (a step's 64
+    # positions over 6 pages, groups of 4 swizzled scales at every page edge), short sequences
+    # (one masked step), more query tokens than cached ones
+    (11, ((130, 8), (9, 6), (61, 7), (5, 7), (700, 5), (40, 1)), 128, "NHD", True, 12, 2, 8,
+     None),
+    # the same path alone under max_q_len 8 with split-KV, linear scales, pages of 20
+    (12, ((3000, 8), (200, 8), (1, 1), (77, 6), (50, 9)), 128, "HND", False, 20, 2, 8, 8),
 ]
 worst = 0.0
 for seed, seqs, d, layout, swz, bs, kv, hq, bound in cases:
