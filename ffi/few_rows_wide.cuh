@@ -527,14 +527,18 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
     for (int w = 0; w < 4; ++w) sum += exchange[w * kWideRows + col];
     const int64_t row = seq.q_row(col);
-    const float lse2 = m[c] == -INFINITY ? -INFINITY : m[c] + __log2f(sum);
+    // A row saw nothing in this split where its reference never left -inf and its sum is 0;
+    // a row whose every score was NaN (a NaN in q) also keeps -inf, but its sum is NaN: a NaN
+    // row (value and lse), as on every other path.
+    const bool empty = m[c] == -INFINITY && !isnan(sum);
+    const float lse2 = m[c] + __log2f(sum);
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         const int d = 32 * warp + 4 * g + 2 * j + hh;
         const float value = o[j][4 * (c >> 1) + 2 * hh + (c & 1)];
-        if (lse2 == -INFINITY)
+        if (empty)
           write_empty(p, row, split, d, kHead);
         else
           write_result(p, row, split, d, kHead, value / sum, lse2, out_scale);

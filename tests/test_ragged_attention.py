@@ -791,8 +791,24 @@ def _long_nan_case():
     return case, cache, jnp.asarray(q, jnp.bfloat16), nan_rows
 
 
+def _wide_nan_case():
+    """Drafts of 8 and 6 tokens x GQA 4 (32 and 24 rows: the few-row kernel's wgmma path where
+    it runs), a NaN key at position 700 of the second (its queries all see it) and a NaN query
+    row (the first sequence's third token, head 5: every score of that row NaN). Returns (case,
+    cache, q, rows that must be NaN)."""
+    case = shared_case(72, ((3000, 8), (900, 6)), head_size=128, pad_tokens=2)
+    cache = _with_nan_keys(case, ((1, 700),))
+    q = np.array(case.query(8, jnp.bfloat16, seed=4).astype(jnp.float32))
+    q[case.starts[0] + 2, 5, :] = np.nan
+    nan_rows = np.zeros(q.shape[:2], bool)
+    nan_rows[case.starts[1]:case.starts[2]] = True
+    nan_rows[case.starts[0] + 2, 5] = True
+    return case, cache, jnp.asarray(q, jnp.bfloat16), nan_rows
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("make", [_nan_case, _long_nan_case], ids=["one-split", "split-kv"])
+@pytest.mark.parametrize("make", [_nan_case, _long_nan_case, _wide_nan_case],
+                         ids=["one-split", "split-kv", "wide"])
 def test_gpu_nan_scores_give_nan_rows_and_nothing_else(make):
     """As on the CPU: exactly the rows that see a NaN key (or have a NaN query) are NaN, also
     when the long context is split across CTAs and merged; the other rows match the jnp path."""
