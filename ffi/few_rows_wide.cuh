@@ -40,8 +40,6 @@
 namespace nvfp4 {
 namespace {
 
-constexpr int kWideHead = 128;
-constexpr int kWideRows = 32;        // the wgmma's N
 constexpr int kWideThreads = 128;    // one warpgroup
 // Positions a step: the S^T wgmma's M. (Steps of 128 held twice the A fragments in flight and
 // spilled at the kernel's 255 registers.) The ring's stages: -DNVFP4_WIDE_STAGES=N.
@@ -68,11 +66,11 @@ constexpr float kWideSlack = 8.f;
 struct WideShape {
   static constexpr int kMBlocks = kWideStep / 64;   // S^T's m64 blocks a step
   static constexpr int kKSteps = kWideStep / 16;    // O^T's k16 steps a step
-  static constexpr int kCodeBytes = kWideHead / 2;  // one position's codes, one side
-  static constexpr int kScaleBytes = kWideHead / 16;
+  static constexpr int kCodeBytes = kFewRowsWideHead / 2;  // one position's codes, one side
+  static constexpr int kScaleBytes = kFewRowsWideHead / 16;
   // The K-major B operands (q^T and P^T): [blocks of 64 K][32 rows][128 bytes], 128-byte swizzle.
-  static constexpr int kBBlockBytes = kWideRows * 128;
-  static constexpr int kQBytes = (kWideHead / 64) * kBBlockBytes;
+  static constexpr int kBBlockBytes = kFewRowsWide * 128;
+  static constexpr int kQBytes = (kFewRowsWideHead / 64) * kBBlockBytes;
   static constexpr int kPBytes = (kWideStep / 64) * kBBlockBytes;
   // A stage: K codes [pos][64] (plain), V codes [pos][64] (16-byte pieces swizzled for
   // ldmatrix: wide_v_code_at), K scales [pos][8], V scales [pos][8] (the page's rows as they
@@ -89,9 +87,9 @@ struct WideShape {
   static constexpr int kPBuffers = kWideOneBarrier ? 2 : 1;
   static constexpr int kRingAt = kPAt + kPBuffers * kPBytes;
   static constexpr int kColScaleAt = kRingAt + kWideStages * kStageBytes;
-  static constexpr int kColLimitAt = kColScaleAt + kWideRows * 4;
-  static constexpr int kExchangeAt = kColLimitAt + kWideRows * 4;
-  static constexpr int kSmemBytes = kExchangeAt + 4 * kWideRows * 4;
+  static constexpr int kColLimitAt = kColScaleAt + kFewRowsWide * 4;
+  static constexpr int kExchangeAt = kColLimitAt + kFewRowsWide * 4;
+  static constexpr int kSmemBytes = kExchangeAt + 4 * kFewRowsWide * 4;
   static_assert(kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "whole 128-byte swizzle atoms");
   static_assert(kStageBytes % 16 == 0, "16-byte aligned stages");
 };
@@ -163,7 +161,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
                                                  uint8_t* smem) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using W = WideShape;
-  constexpr int kHead = kWideHead;
+  constexpr int kHead = kFewRowsWideHead;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, qd = lane & 3;
   const FewRowsSequence seq(p, grid, b, kv_head, member, split, start, q_len);
@@ -413,7 +411,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       if (g == 0) {
 #pragma unroll
         for (int c = 0; c < 8; ++c)
-          exchange[warp * kWideRows + 8 * (c >> 1) + 2 * qd + (c & 1)] = top[c];
+          exchange[warp * kFewRowsWide + 8 * (c >> 1) + 2 * qd + (c & 1)] = top[c];
       }
       __syncthreads();
 #pragma unroll
@@ -421,7 +419,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
         float most = m[c];
 #pragma unroll
-        for (int w = 0; w < 4; ++w) most = fmaxf(most, exchange[w * kWideRows + col]);
+        for (int w = 0; w < 4; ++w) most = fmaxf(most, exchange[w * kFewRowsWide + col]);
         // (nothing seen yet: no -inf - -inf; the old state is zeros then)
         const float alpha = exp2_approx(m[c] - (most == -INFINITY ? 0.f : most));
         m[c] = most;
@@ -515,7 +513,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   if (g == 0) {
 #pragma unroll
     for (int c = 0; c < 8; ++c)
-      exchange[warp * kWideRows + 8 * (c >> 1) + 2 * qd + (c & 1)] = l[c];
+      exchange[warp * kFewRowsWide + 8 * (c >> 1) + 2 * qd + (c & 1)] = l[c];
   }
   __syncthreads();
   const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
@@ -525,7 +523,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     if (col >= rows) continue;
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < 4; ++w) sum += exchange[w * kWideRows + col];
+    for (int w = 0; w < 4; ++w) sum += exchange[w * kFewRowsWide + col];
     const int64_t row = seq.q_row(col);
     // A row saw nothing in this split where its reference never left -inf and its sum is 0;
     // a row whose every score was NaN (a NaN in q) also keeps -inf, but its sum is NaN: a NaN

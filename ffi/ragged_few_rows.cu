@@ -59,7 +59,7 @@ constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
 // Head size 128 also takes the wide path's (17 to 32 rows, few_rows_wide.cuh).
 template <int kHead>
 constexpr int kFewRowsSmem =
-    kHead == kWideHead && kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows> < WideShape::kSmemBytes
+    kHead == kFewRowsWideHead && kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows> < WideShape::kSmemBytes
         ? WideShape::kSmemBytes
         : kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
 static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
   // The warps' merge (and where staged, first the slots: dynamic shared memory).
   uint8_t* smem;
-  if constexpr (kFewRowsStaged || kHead == kWideHead) {
+  if constexpr (kFewRowsStaged || kHead == kFewRowsWideHead) {
     extern __shared__ __align__(1024) uint8_t few_rows_slots[];
     smem = few_rows_slots;
   } else {
@@ -175,7 +175,7 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
                                                         start, q_len, smem);
   // 17 to 32 rows: taken at head size 128 only, where the build has sm_90a code (FewRowsMaxRows)
-  if constexpr (kHead == kWideHead)
+  if constexpr (kHead == kFewRowsWideHead)
     attend_wide_rows<kSwizzle, kLayout>(p, grid, b, kv_head, member, split, start, q_len, smem);
 }
 
@@ -217,7 +217,7 @@ int FewRowsResidentCtasPerSm(int head_size) {
 }
 
 int FewRowsMaxRows(int head_size) {
-  return head_size == kWideHead && WgmmaCodeRuns() ? kWideRows : kFewRows;
+  return head_size == kFewRowsWideHead && WgmmaCodeRuns() ? kFewRowsWide : kFewRows;
 }
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {

@@ -44,14 +44,11 @@ inline constexpr int64_t kRaggedSplitStep = 64;
 // benchmarks/NOTES.md).
 inline constexpr int32_t kFewRows = 16;
 inline constexpr int64_t kFewRowsMaxHead = 128;
-// At head size 128 the kernel also takes 17 to 32 rows on wgmma (few_rows_wide.cuh), where the
-// build has sm_90a code for the GPU: FewRowsMaxRows says, the launch sets RaggedProblem's
-// few_rows_max from it. The most any build takes, for the checks of the call:
+// At head size kFewRowsWideHead the kernel also takes up to kFewRowsWide rows on wgmma (the
+// wgmma's N; few_rows_wide.cuh), where the build has sm_90a code for the GPU: FewRowsMaxRows
+// says, and the handler sets RaggedProblem's few_rows_max (and checks few_rows_only) from it.
 inline constexpr int32_t kFewRowsWide = 32;
-inline constexpr int64_t kFewRowsWideHead = 128;
-inline int32_t FewRowsBound(int64_t head_size) {
-  return head_size == kFewRowsWideHead ? kFewRowsWide : kFewRows;
-}
+inline constexpr int32_t kFewRowsWideHead = 128;
 
 struct RaggedProblem {
   const void* q;
@@ -163,13 +160,11 @@ inline ffi::Error MakeRaggedProblem(
         "decode_splits x decode_tokens_per_split (a multiple of 128) must cover the block "
         "table, every split starting inside it");
   if (max_q_len < 0) return RaggedArgumentError("max_q_len must be >= 0 (0: no bound)");
-  if (few_rows_only &&
-      (max_q_len < 1 ||
-       int64_t(max_q_len) * (num_q_heads / p->page.num_kv_heads) > FewRowsBound(head_size) ||
-       head_size > kFewRowsMaxHead || decode_splits != 0))
+  // (its bound on max_q_len x the GQA group depends on the GPU: the handler checks it)
+  if (few_rows_only && (max_q_len < 1 || head_size > kFewRowsMaxHead || decode_splits != 0))
     return RaggedArgumentError(
-        "few_rows_only needs 1 <= max_q_len x the GQA group <= 16 (32 at head size 128 on an "
-        "sm_90 GPU), a head size <= 128 and no decode launch (decode_splits == 0)");
+        "few_rows_only needs max_q_len >= 1, a head size <= 128 and no decode launch "
+        "(decode_splits == 0)");
   const std::string cluster_error =
       decode_cluster_merge ? ClusterMergeRangeError("decode_cluster_merge", decode_splits) : "";
   if (!cluster_error.empty()) return RaggedArgumentError(cluster_error);

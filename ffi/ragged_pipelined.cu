@@ -415,8 +415,8 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
   const int64_t row_bound = p->max_q_len > 0 ? int64_t(p->max_q_len) * group : rows;
   const int64_t long_seqs = std::min<int64_t>(p->max_num_seqs, rows / (kPipelinedMinRows + 1));
   const int64_t pair_slots = long_seqs == 0 ? 0 : rows / (2 * kRows) + long_seqs;
-  if (p->few_rows_only || row_bound <= std::max(kPipelinedMinRows, p->few_rows_max) ||
-      pair_slots == 0 ||
+  // (under few_rows_max, >= kPipelinedMinRows, every sequence is the few-row or decode kernel's)
+  if (p->few_rows_only || row_bound <= p->few_rows_max || pair_slots == 0 ||
       !PipelinedPrefillRuns<kSwizzle, kLayout, kStep>())
     return cudaSuccess;
   constexpr int kSmemBytes = PipeShape<kStep>::kSmemBytes;

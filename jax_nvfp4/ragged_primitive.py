@@ -57,8 +57,8 @@ _DEFAULT_CTAS_PER_SM = 2
 #: Query rows (tokens x query heads of one kv head) of a sequence that the few-row kernel
 #: takes, its largest head size (ffi/ragged_ffi.h, kFewRows, kFewRowsMaxHead), and its
 #: CTAs per SM when the GPU cannot be asked (its launch bounds, ffi/ragged_few_rows.cu). At
-#: head size 128 it takes up to ``FEW_ROWS_WIDE`` rows where the build has sm_90a code for the
-#: GPU (ffi/few_rows_wide.cuh; :func:`few_rows_max` asks).
+#: head size 128 it takes up to ``FEW_ROWS_WIDE`` rows (kFewRowsWide) where the build has
+#: sm_90a code for the GPU (ffi/few_rows_wide.cuh; :func:`few_rows_max` asks).
 FEW_ROWS = 16
 FEW_ROWS_WIDE = 32
 FEW_ROWS_MAX_HEAD_SIZE = 128
@@ -380,5 +380,5 @@ def partitioned(body):
 
 
 __all__ = ["KERNEL_HEAD_SIZES", "RAGGED_TARGET", "ROWS_PER_CTA", "bind", "few_rows_max",
-           "few_rows_only",
-           "kernel_supports", "plan_one_token_splits", "plan_splits", "ragged_p", "tile_slots"]
+           "few_rows_only", "kernel_supports", "plan_one_token_splits", "plan_splits", "ragged_p",
+           "tile_slots"]
