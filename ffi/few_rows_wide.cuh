@@ -48,16 +48,6 @@ constexpr int kWideStep = 64;
 #define NVFP4_WIDE_STAGES 3
 #endif
 constexpr int kWideStages = NVFP4_WIDE_STAGES;
-// One CTA barrier a step instead of two (-DNVFP4_WIDE_ONE_BARRIER=1; written in the twelfth
-// session, not yet run on a GPU): P^T is written with the reference as it stands before the
-// warps vote, into one of two buffers (the other still read by the step before's P V), and the
-// vote rides on the barrier that hands P^T over; a step whose scores pass the reference writes
-// P^T again after the exchange (two more barriers, rarely). The ring's refill moves after that
-// barrier.
-#ifndef NVFP4_WIDE_ONE_BARRIER
-#define NVFP4_WIDE_ONE_BARRIER 0
-#endif
-constexpr bool kWideOneBarrier = NVFP4_WIDE_ONE_BARRIER != 0;
 static_assert(kWideStages >= 2, "a step converted while the next lands");
 // How far (log2 units) a score may pass its column's shared reference before the warps set a
 // new one: P <= 2^8 (attend_wide_rows' softmax).
@@ -84,8 +74,7 @@ struct WideShape {
   // the score scale, the end of its positions, and a float per warp for the exchanges.
   static constexpr int kQAt = 0;
   static constexpr int kPAt = kQAt + kQBytes;
-  static constexpr int kPBuffers = kWideOneBarrier ? 2 : 1;
-  static constexpr int kRingAt = kPAt + kPBuffers * kPBytes;
+  static constexpr int kRingAt = kPAt + kPBytes;
   static constexpr int kColScaleAt = kRingAt + kWideStages * kStageBytes;
   static constexpr int kColLimitAt = kColScaleAt + kFewRowsWide * 4;
   static constexpr int kExchangeAt = kColLimitAt + kFewRowsWide * 4;
@@ -246,9 +235,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   // O^T += V^T P^T of the step before (its P^T written and visible: the barrier ending it).
   // Issued and waited for in the same step as the next S^T (ptxas serialises every wgmma when a
   // product is still in flight across the loop's back edge).
-  // (P^T of step i is in buffer p_buffer(i))
-  const auto p_buffer = [](int i) { return kWideOneBarrier ? i & 1 : 0; };
-  const auto issue_values = [&](int buffer) {
+  const auto issue_values = [&] {
 #pragma unroll
     for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
     wgmma_fence();
@@ -257,7 +244,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
       for (int k = 0; k < W::kKSteps; ++k)
         wgmma_64x32(o[j], vf[j][k],
-                    desc_plus(p_desc, buffer * W::kPBytes + (k >> 2) * W::kBBlockBytes +
+                    desc_plus(p_desc, (k >> 2) * W::kBBlockBytes +
                                           (k & 3) * 32));
     wgmma_commit();
   };
@@ -272,7 +259,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     constexpr bool kMasked = decltype(masked_tag)::value;
     const uint8_t* const stage = ring + (i % kWideStages) * W::kStageBytes;
     const uint32_t base = step_base(i);
-    if (i > 0) issue_values(p_buffer(i - 1));
+    if (i > 0) issue_values();
 
     // S^T = K Q^T.
     float s[W::kMBlocks][16];
@@ -430,15 +417,14 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
           for (int hh = 0; hh < 2; ++hh) o[j][4 * (c >> 1) + 2 * hh + (c & 1)] *= alpha;
       }
     };
-    // P^T (K-major: row = column of N, positions along K) into its buffer by stmatrix.trans:
+    // P^T (K-major: row = column of N, positions along K) by stmatrix.trans:
     // m-block j's 8 x 8 matrices (this warp's rows 8 hh .. 8 hh + 7, columns 8 t ..), lane L
-    // giving the address of row L % 8 of matrix t = L / 8; P added to `sums`.
-    const auto write_p = [&](float (&sums)[8]) {
+    // giving the address of row L % 8 of matrix t = L / 8; P added to the sums `l`.
+    const auto write_p = [&] {
       float ref[8];  // m, or 0 for a column that has seen nothing (its P is 0)
 #pragma unroll
       for (int c = 0; c < 8; ++c) ref[c] = m[c] == -INFINITY ? 0.f : m[c];
-      uint8_t* const buffer = p_t + p_buffer(i) * W::kPBytes;
-#pragma unroll
+      #pragma unroll
       for (int j = 0; j < W::kMBlocks; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
@@ -447,12 +433,12 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
           for (int t = 0; t < 4; ++t) {
             const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, ref));
             const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, ref));
-            sums[2 * t] += p0;
-            sums[2 * t + 1] += p1;
+            l[2 * t] += p0;
+            l[2 * t + 1] += p1;
             packed[t] = pack_f16x2(p0, p1);
           }
           const int n = 8 * (lane >> 3) + (lane & 7);
-          stmatrix_x4_trans(buffer + j * W::kBBlockBytes +
+          stmatrix_x4_trans(p_t + j * W::kBBlockBytes +
                                 swizzle128_offset(n, 16 * warp + 8 * hh),
                             packed[0], packed[1], packed[2], packed[3]);
         }
@@ -466,28 +452,12 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       }
       copy_async_commit();
     };
-    if constexpr (!kWideOneBarrier) {
-      // Every warp is done reading this stage, and the vote.
-      if (__syncthreads_or(over > kWideSlack)) new_reference();
-      refill();
-      write_p(l);
-      copy_async_wait<kWideStages - 1>();  // this thread's copies of step i + 1
-      __syncthreads();                     // P^T written, step i + 1 landed
-    } else {
-      float sums[8] = {};
-      write_p(sums);
-      copy_async_wait<kWideStages - 2>();  // this thread's copies of step i + 1 (refill: below)
-      if (__syncthreads_or(over > kWideSlack)) {  // P^T written, step i + 1 landed, the vote
-        new_reference();
-#pragma unroll
-        for (int c = 0; c < 8; ++c) sums[c] = 0.f;
-        write_p(sums);
-        __syncthreads();
-      }
-#pragma unroll
-      for (int c = 0; c < 8; ++c) l[c] += sums[c];
-      refill();
-    }
+    // Every warp is done reading this stage, and the vote.
+    if (__syncthreads_or(over > kWideSlack)) new_reference();
+    refill();
+    write_p();
+    copy_async_wait<kWideStages - 1>();  // this thread's copies of step i + 1
+    __syncthreads();                     // P^T written, step i + 1 landed
   };
   // The steps before the first row's end, then the others.
   const int unmasked = min(int((mask_from - begin) / kWideStep), num_steps);
@@ -495,7 +465,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   for (int i = 0; i < unmasked; ++i) step(i, std::false_type{});
 #pragma unroll 1
   for (int i = unmasked; i < num_steps; ++i) step(i, std::true_type{});
-  issue_values(p_buffer(num_steps - 1));  // the last step's
+  issue_values();  // the last step's
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
