@@ -197,7 +197,8 @@ command_of() {
                 store) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${STORE_FILES[@]}") ;;
                 decode) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${DECODE_FILES[@]}") ;;
                 ragged) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${RAGGED_FILES[@]}") ;;
-                ragged-cases) CMD+=("$PYTHON" -P tests/ragged_sanitizer_cases.py) ;;
+                # (-X faulthandler: a crash's traceback names the case; pytest turns it on itself)
+                ragged-cases) CMD+=("$PYTHON" -P -X faulthandler tests/ragged_sanitizer_cases.py) ;;
                 rest)
                     CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu)
                     local f

@@ -3,12 +3,17 @@ part's log, and a module its tests import).
 
     python3 tests/sanitizer_log.py LOG
 
-prints one line: ``errors=N summaries=S by_kernel=Kernel:n,...``. N is the sum over the tool's
+prints one line: ``errors=N summaries=S by_kernel=Kernel:n,...`` (and ``crashed_in=...`` where
+the process died of a fatal signal). N is the sum over the tool's
 own summary lines (``ERROR SUMMARY: N errors``; racecheck's ``RACECHECK SUMMARY: N hazards
 displayed``), S how many such lines there were (one per sanitized process that finished: 0
 means the process never got to its summary, e.g. it was killed). by_kernel counts the reports
 per kernel from the ``at ...`` line following each report header, so that an initcheck run
 without ``--kernel-name`` says whether the reports are in this package's kernels or in XLA's.
+crashed_in names the test the process died in (file:line:function), from the traceback Python's
+faulthandler prints on a fatal signal (pytest turns it on; gpu_checks.sh runs the sanitizer cases
+script with ``-X faulthandler``): sanitized processes have died with rc 139 and nothing else in
+their logs (TESTING.md).
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:errors?|hazards?)")
 HEADER = re.compile(r"^=+ (?!    )(?!.*SUMMARY)(?:Error: |Warning: )?([A-Z][^\n]*)$")
 AT = re.compile(r"^=+\s+at (.*)$")
 NAME = re.compile(r"([A-Za-z_][\w:]*)\s*[<(]")
+# faulthandler's dump: "Fatal Python error: Segmentation fault", then per thread a header
+# ("Current thread 0x... (most recent call first):") and its frames, innermost first.
+FATAL = "Fatal Python error"
+FRAME = re.compile(r'^\s+File "(?:[^"]*/)?(tests/[^"/]+\.py)", line (\d+) in (\S+)')
 
 
 def kernel_name(frame: str) -> str:
@@ -66,10 +75,35 @@ def summarize(text: str):
     return errors, summaries, by_kernel
 
 
+def crash_site(text: str):
+    """Where the crashing thread was in this repository's tests, from its faulthandler
+    traceback (the current thread's where the dump names one, else the first thread's): the
+    innermost frame of a test function (``test_*``), else the innermost frame in a tests/ file,
+    as ``tests/file.py:line:function``; "?" where no frame is in tests/; None without a fatal
+    error."""
+    start = text.find(FATAL)
+    if start < 0:
+        return None
+    dump = text[start:]
+    current = dump.find("Current thread")
+    frames = []
+    for text_line in dump[current if current >= 0 else 0:].splitlines()[1:]:
+        if not text_line.lstrip().startswith("File "):
+            if frames or text_line.strip():
+                break  # the end of this thread's frames
+            continue
+        frames.append(FRAME.match(text_line))
+    ours = [f"{m.group(1)}:{m.group(2)}:{m.group(3)}" for m in frames if m]
+    tests = [site for site in ours if site.rsplit(":", 1)[1].startswith("test")]
+    return (tests or ours or ["?"])[0]
+
+
 def line(text: str) -> str:
     errors, summaries, by_kernel = summarize(text)
     kernels = ",".join(f"{k}:{n}" for k, n in by_kernel.most_common()) or "-"
-    return f"errors={errors} summaries={summaries} by_kernel={kernels}"
+    crash = crash_site(text)
+    return (f"errors={errors} summaries={summaries} by_kernel={kernels}"
+            + (f" crashed_in={crash}" if crash else ""))
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def test_dry_run_commands():
         program = argv[7 if filtered else 5:]
         assert program[:2] == [sys.executable, "-P"], program
         if group == "ragged-cases":
-            assert program[2:] == ["tests/ragged_sanitizer_cases.py"]
+            assert program[2:] == ["-X", "faulthandler", "tests/ragged_sanitizer_cases.py"]
             continue
         assert program[2:8] == ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m"]
         assert program[8] == "gpu", program
@@ -323,3 +323,38 @@ def test_sanitizer_log_summary():
     assert sanitizer_log.line(".....\n") == "errors=0 summaries=0 by_kernel=-"
     assert sanitizer_log.line("========= ERROR SUMMARY: 0 errors\n") == (
         "errors=0 summaries=1 by_kernel=-")
+
+
+CRASH_LOG = """tests/test_store.py ........
+Fatal Python error: Segmentation fault
+
+Thread 0x00007f2a01dff640 (most recent call first):
+  File "/usr/lib/python3.12/threading.py", line 355 in wait
+  File "/work/tests/test_soak.py", line 40 in worker
+
+Current thread 0x00007f2a1b5a8740 (most recent call first):
+  File "/usr/lib/python3/dist-packages/jax/_src/interpreters/pxla.py", line 1297 in __call__
+  File "/usr/local/lib/python3.12/dist-packages/jax_nvfp4/api.py", line 88 in reshape_and_cache
+  File "/work/tests/store_cases.py", line 61 in store_on_gpu
+  File "/work/tests/test_store.py", line 123 in test_gpu_store_matches_reference
+  File "/usr/lib/python3/dist-packages/_pytest/python.py", line 159 in pytest_pyfunc_call
+
+Extension modules: numpy.core._multiarray_umath (total: 1)
+"""
+
+
+def test_sanitizer_log_names_where_a_process_crashed():
+    # The crashing (current) thread's test function, not another thread's frames nor the
+    # helper it called; without a test function, the innermost frame in a tests/ file.
+    site = "tests/test_store.py:123:test_gpu_store_matches_reference"
+    assert sanitizer_log.crash_site(CRASH_LOG) == site
+    assert sanitizer_log.line(CRASH_LOG) == f"errors=0 summaries=0 by_kernel=- crashed_in={site}"
+    no_test_function = CRASH_LOG.replace("test_gpu_store_matches_reference", "run_case")
+    assert sanitizer_log.crash_site(no_test_function) == "tests/store_cases.py:61:store_on_gpu"
+    # A dump with no frame in tests/ (a crash in a library's thread) and one without a
+    # "Current thread" header (the first thread's frames are the crashing one's).
+    no_test = CRASH_LOG.replace("/work/tests/", "/work/lib/")
+    assert sanitizer_log.crash_site(no_test) == "?"
+    first_only = CRASH_LOG.split("\nCurrent thread")[0].replace("Thread 0x", "Current thread 0x")
+    assert sanitizer_log.crash_site(first_only) == "tests/test_soak.py:40:worker"
+    assert sanitizer_log.crash_site(LOG) is None
