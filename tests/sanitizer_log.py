@@ -85,9 +85,13 @@ def crash_site(text: str):
     if start < 0:
         return None
     dump = text[start:]
-    current = dump.find("Current thread")
+    header = dump.find("Current thread")
+    if header < 0:
+        header = dump.find("Thread 0x")
+    if header < 0:
+        return "?"
     frames = []
-    for text_line in dump[current if current >= 0 else 0:].splitlines()[1:]:
+    for text_line in dump[header:].splitlines()[1:]:
         if not text_line.lstrip().startswith("File "):
             if frames or text_line.strip():
                 break  # the end of this thread's frames
