@@ -330,13 +330,13 @@ Fatal Python error: Segmentation fault
 
 Thread 0x00007f2a01dff640 (most recent call first):
   File "/usr/lib/python3.12/threading.py", line 355 in wait
-  File "/work/tests/test_soak.py", line 40 in worker
+  File "/src/repo/tests/test_soak.py", line 40 in worker
 
 Current thread 0x00007f2a1b5a8740 (most recent call first):
   File "/usr/lib/python3/dist-packages/jax/_src/interpreters/pxla.py", line 1297 in __call__
   File "/usr/local/lib/python3.12/dist-packages/jax_nvfp4/api.py", line 88 in reshape_and_cache
-  File "/work/tests/store_cases.py", line 61 in store_on_gpu
-  File "/work/tests/test_store.py", line 123 in test_gpu_store_matches_reference
+  File "/src/repo/tests/store_cases.py", line 61 in store_on_gpu
+  File "/src/repo/tests/test_store.py", line 123 in test_gpu_store_matches_reference
   File "/usr/lib/python3/dist-packages/_pytest/python.py", line 159 in pytest_pyfunc_call
 
 Extension modules: numpy.core._multiarray_umath (total: 1)
@@ -353,7 +353,7 @@ def test_sanitizer_log_names_where_a_process_crashed():
     assert sanitizer_log.crash_site(no_test_function) == "tests/store_cases.py:61:store_on_gpu"
     # A dump with no frame in tests/ (a crash in a library's thread) and one without a
     # "Current thread" header (the first thread's frames are the crashing one's).
-    no_test = CRASH_LOG.replace("/work/tests/", "/work/lib/")
+    no_test = CRASH_LOG.replace("/src/repo/tests/", "/src/repo/lib/")
     assert sanitizer_log.crash_site(no_test) == "?"
     no_current = CRASH_LOG.replace("Current thread", "Thread")
     assert sanitizer_log.crash_site(no_current) == "tests/test_soak.py:40:worker"
