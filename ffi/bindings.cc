@@ -78,6 +78,9 @@ NB_MODULE(_ffi, m) {
   m.def("few_rows_resident_ctas_per_sm", &nvfp4::FewRowsResidentCtasPerSm,
         "CTAs of ragged attention's few-row kernel for a head size resident on one SM of the "
         "current GPU.");
+  m.def("wide_rows_resident_ctas_per_sm", &nvfp4::WideRowsResidentCtasPerSm,
+        "CTAs of ragged attention's few-row kernel for 17 to 32 rows (its own kernel) resident on "
+        "one SM of the current GPU (0 where it does not run).");
   m.def("few_rows_max_rows", &nvfp4::FewRowsMaxRows,
         "Most query rows per kv head ragged attention's few-row kernel takes for a head size on "
         "the current GPU (16, or 32 at head size 128 where the build has sm_90a code).");

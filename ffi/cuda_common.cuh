@@ -101,16 +101,20 @@ int ResidentCtasPerSm(int threads, int smem_bytes) {
 // Asynchronous global -> shared copies (cp.async, sm_80 and up), zero-filled without reading
 // when !valid. The commit and the wait are compiler memory barriers too: shared memory the
 // copies fill is read after the wait, not before.
+// The destination as a shared-memory address (copy_async_to) or a generic pointer (copy_async).
 template <int kBytes>
-__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+__device__ __forceinline__ void copy_async_to(uint32_t dst, const void* src, bool valid) {
   static_assert(kBytes == 4 || kBytes == 8 || kBytes == 16, "cp.async copies 4, 8 or 16 bytes");
   const uint32_t n = valid ? kBytes : 0;
   if constexpr (kBytes == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                 :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src), "r"(n));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(n));
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n"
-                 :: "r"(uint32_t(__cvta_generic_to_shared(dst))), "l"(src), "n"(kBytes), "r"(n));
+                 :: "r"(dst), "l"(src), "n"(kBytes), "r"(n));
+}
+template <int kBytes>
+__device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
+  copy_async_to<kBytes>(uint32_t(__cvta_generic_to_shared(dst)), src, valid);
 }
 __device__ __forceinline__ void copy_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");

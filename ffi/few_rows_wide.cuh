@@ -52,6 +52,11 @@ static_assert(kWideStages >= 2, "a step converted while the next lands");
 // How far (log2 units) a score may pass its column's shared reference before the warps set a
 // new one: P <= 2^8 (attend_wide_rows' softmax).
 constexpr float kWideSlack = 8.f;
+// A column's reference before it has seen a score: finite, so that P = 2^(x - m) needs no
+// check for it (x - kWideUnseen is +huge for any finite score: the vote then always passes
+// and sets a true reference; a masked score is -inf, its P 0). No float32 score in log2 units
+// is below it: a real reference never equals it.
+constexpr float kWideUnseen = -3.402823466e38f;  // -FLT_MAX
 
 struct WideShape {
   static constexpr int kMBlocks = kWideStep / 64;   // S^T's m64 blocks a step
@@ -99,45 +104,64 @@ __device__ __forceinline__ int wide_v_code_at(int p, int c) {
 
 // One thread's share of the ring's copies: position p = t % kWideStep of each step, side
 // t / kWideStep (K, V), zero-filled at or past `end`. The block-table entry of the next step
-// to copy is read a step ahead (fetch), so that its latency never holds up the copies.
+// to copy is read a step ahead (fetch), so that its latency never holds up the copies. What
+// does not change from step to step (this thread's side of the cache at its kv head, its
+// places in a stage) is worked out once: a step's copies then cost the page's address and the
+// five cp.async.
 template <bool kSwizzle, Layout kLayout>
 struct WideCopy {
   static_assert(kWideThreads == 2 * kWideStep, "a thread per position and side");
+  static_assert(WideShape::kStageBytes % 64 == 0 && WideShape::kRingAt % 64 == 0,
+                "stages 64-byte aligned: a position's code pieces are one 64-byte row");
   using W = WideShape;
   const PageView<kLayout>& pv;
+  const uint8_t* side_at_head;  // the cache, this thread's side, plane row head_row of page 0
+  int32_t scale_from_row0;      // from side_at_head to the side's scales of that plane row
   uint32_t end;
-  int p, side;
-  int32_t entry = 0;  // fetched: the page of this thread's position of the next step, its row
-  uint32_t row = 0;
+  uint32_t p;
+  uint32_t code_to;   // shared address in stage 0 of this position's codes (piece 0 swizzled)
+  uint32_t scale_to;  // and of its scale bytes
+  int32_t entry = 0;    // fetched: the page of this thread's position of the next step,
+  uint32_t row_off = 0; // and the plane rows from head_row to its page row
 
-  __device__ __forceinline__ WideCopy(const PageView<kLayout>& view, uint32_t end_)
-      : pv(view), end(end_), p(threadIdx.x % kWideStep), side(threadIdx.x / kWideStep) {}
+  __device__ __forceinline__ WideCopy(const PageView<kLayout>& view, uint32_t end_,
+                                      const uint8_t* ring)
+      : pv(view), end(end_), p(threadIdx.x % kWideStep) {
+    const bool v_side = threadIdx.x >= kWideStep;
+    side_at_head = pv.cache + (v_side ? pv.side_bytes : 0) + int64_t(pv.head_row) * W::kCodeBytes;
+    scale_from_row0 = pv.side_data + pv.head_row * (W::kScaleBytes - W::kCodeBytes);
+    // V's pieces are swizzled (wide_v_code_at): piece c of position p at piece c ^ ((p / 4) % 4)
+    // of its 64-byte row, i.e. at (row + swizzle) ^ 16 c.
+    code_to = shared_address(ring) + (v_side ? W::kVCodeAt : W::kKCodeAt) + p * W::kCodeBytes +
+              (v_side ? ((p >> 2) & 3u) << 4 : 0u);
+    scale_to = shared_address(ring) + (v_side ? W::kVScaleAt : W::kKScaleAt) + p * W::kScaleBytes;
+  }
 
   // Swizzled V scales: rows 4k .. 4k + 3 of a page hold the scales of those 4 positions
   // together, so a group with any position before `end` is copied whole (its rows are in the
   // same page: block sizes are multiples of 4); the reader masks the bytes past `end`.
   __device__ __forceinline__ void fetch(uint32_t base) {
-    const uint32_t pos = base + uint32_t(p);
+    const uint32_t pos = base + p;
+    uint32_t row;
     const uint32_t index = pv.block_size.divmod(pos, &row);
     entry = (pos & ~3u) < end ? __ldg(pv.table + index) : 0;
+    row_off = uint32_t(pv.plane_row(row) - pv.head_row);
   }
-  // The fetched step's bytes (positions [base, base + kWideStep)) into `stage`. (A position
-  // past `end` has entry 0 and a row inside the page: its sources are addresses inside the
-  // cache, never read.)
-  __device__ __forceinline__ void copy(uint8_t* stage, uint32_t base) const {
-    const uint32_t pos = base + uint32_t(p);
+  // The fetched step's bytes (positions [base, base + kWideStep)) into the stage at byte
+  // `stage_at` of the ring. (A position past `end` has entry 0 and a row inside the page: its
+  // sources are addresses inside the cache, never read.)
+  __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base) const {
+    const uint32_t pos = base + p;
     const bool valid = pos < end, group_valid = (pos & ~3u) < end;
-    const uint8_t* const data = pv.cache + pv.page_offset(entry) + (side ? pv.side_bytes : 0);
-    const int32_t prow = pv.plane_row(row);
-    const uint8_t* const codes = data + int64_t(prow) * W::kCodeBytes;
+    const bool v_side = threadIdx.x >= kWideStep;
+    const uint8_t* const page = side_at_head + pv.page_offset(entry);
+    const uint8_t* const codes = page + row_off * W::kCodeBytes;
+    const uint32_t to = code_to + stage_at;
 #pragma unroll
-    for (int c = 0; c < W::kCodeBytes / 16; ++c) {
-      const int at = side ? wide_v_code_at(p, c) : W::kKCodeAt + p * W::kCodeBytes + 16 * c;
-      copy_async<16>(stage + at, codes + 16 * c, valid);
-    }
-    copy_async<8>(stage + (side ? W::kVScaleAt : W::kKScaleAt) + p * W::kScaleBytes,
-                  data + pv.side_data + int64_t(prow) * W::kScaleBytes,
-                  side && kSwizzle ? group_valid : valid);
+    for (int c = 0; c < W::kCodeBytes / 16; ++c)
+      copy_async_to<16>(to ^ (16u * c), codes + 16 * c, valid);
+    copy_async_to<8>(scale_to + stage_at, page + scale_from_row0 + row_off * W::kScaleBytes,
+                     v_side && kSwizzle ? group_valid : valid);
   }
 };
 
@@ -169,12 +193,12 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   const int num_steps = int((end - begin + kWideStep - 1) / kWideStep);
   const auto step_base = [&](int i) { return begin + uint32_t(i * kWideStep); };
   // The ring's first stages, one copy group a step (empty past the last: the waits count groups).
-  WideCopy<kSwizzle, kLayout> copier(pv, end);
+  WideCopy<kSwizzle, kLayout> copier(pv, end, ring);
 #pragma unroll 1
   for (int i = 0; i < kWideStages; ++i) {
     if (i < num_steps) {
       copier.fetch(step_base(i));
-      copier.copy(ring + i * W::kStageBytes, step_base(i));
+      copier.copy(uint32_t(i * W::kStageBytes), step_base(i));
     }
     copy_async_commit();
   }
@@ -218,7 +242,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       scale[2 * t + h] = col_scale[8 * t + 2 * qd + h];
-      m[2 * t + h] = -INFINITY;
+      m[2 * t + h] = kWideUnseen;
       l[2 * t + h] = 0.f;
     }
   const uint32_t mask_from = seq.row_end(0);  // every later row sees more
@@ -251,13 +275,26 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   // This lane's rows of S^T in m-block j (hh = 0: row g, 1: row g + 8) are the positions
   // 64 j + 16 w + wide_position(g) (+ 2) of the step.
   const int my_position = 16 * warp + wide_position(g);
+  // This lane's places in a stage and in P^T, worked out once (not again every step):
+  // its K codes and scales (row g of m-block 0), its ldmatrix row of V (matrix lane / 8, row
+  // lane % 8: k-step mtx / 2, positions of its 16 as wide_position(8 (mtx % 2) + row)), its V
+  // scale word (positions 4 q .. 4 q + 3 of k-step 0), its stmatrix rows of P^T (hh = 0, 1).
+  const uint32_t k_code_at = W::kKCodeAt + my_position * W::kCodeBytes + 16 * qd;
+  const uint32_t k_scale_at = W::kKScaleAt + my_position * W::kScaleBytes + 2 * qd;
+  const uint32_t v_row_at =
+      wide_v_code_at(16 * (lane >> 4) + wide_position(8 * ((lane >> 3) & 1) + (lane & 7)), warp);
+  const uint32_t v_scale_at = W::kVScaleAt + 4 * qd * W::kScaleBytes + 4 * v_block;
+  uint32_t p_row_at[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh)
+    p_row_at[hh] = shared_address(p_t) + swizzle128_offset(lane, 16 * warp + 8 * hh);
 
-  // One step. kMasked: the step reaches past the first row's end (positions past each column's
-  // end do not count) and maybe past `end` (the V scale bytes of a group past it are not this
-  // call's); the other steps skip both checks.
-  const auto step = [&](int i, auto masked_tag) {
+  // Step i, its bytes in the ring's stage at byte stage_at. kMasked: the step reaches past the
+  // first row's end (positions past each column's end do not count) and maybe past `end` (the
+  // V scale bytes of a group past it are not this call's); the other steps skip both checks.
+  const auto step = [&](int i, uint32_t stage_at, auto masked_tag) {
     constexpr bool kMasked = decltype(masked_tag)::value;
-    const uint8_t* const stage = ring + (i % kWideStages) * W::kStageBytes;
+    const uint8_t* const stage = ring + stage_at;
     const uint32_t base = step_base(i);
     if (i > 0) issue_values();
 
@@ -269,12 +306,11 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       Chunk<kHead> c;  // only its tile 0's K fields are used
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
-        const int pp = 64 * j + my_position + 2 * hh;
-        const uint4 v = *reinterpret_cast<const uint4*>(stage + W::kKCodeAt + pp * W::kCodeBytes +
-                                                        16 * qd);
+        const int pp = 64 * j + 2 * hh;  // from my_position
+        const uint4 v = *reinterpret_cast<const uint4*>(stage + k_code_at + pp * W::kCodeBytes);
         c.k[hh][0] = v.x, c.k[hh][1] = v.y, c.k[hh][2] = v.z, c.k[hh][3] = v.w;
-        c.k_scale[hh] = *reinterpret_cast<const uint16_t*>(stage + W::kKScaleAt +
-                                                           pp * W::kScaleBytes + 2 * qd);
+        c.k_scale[hh] = *reinterpret_cast<const uint16_t*>(stage + k_scale_at +
+                                                           pp * W::kScaleBytes);
       }
       uint32_t scale_words[2][Shape<kHead>::kKScaleBytes];
       k_tile_scales<kHead>(c, 0, scale_words);
@@ -303,20 +339,15 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
     for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
       uint32_t x[4];  // k-steps 2 k2 (lo, hi), 2 k2 + 1 (lo, hi)
-      {
-        const int mtx = lane >> 3, row = lane & 7;
-        const int k = 2 * k2 + (mtx >> 1);
-        const int pp = 16 * k + wide_position(8 * (mtx & 1) + row);
-        ldmatrix_x4_trans(x, stage + wide_v_code_at(pp, warp));
-      }
+      // (k-step 2 k2 + mtx / 2: 32 positions on per k2, the swizzle unchanged)
+      ldmatrix_x4_trans(x, stage + v_row_at + 32 * k2 * W::kCodeBytes);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int k = 2 * k2 + e;
         const int pp = 16 * k + 4 * qd;  // this lane's positions pp .. pp + 3
         uint32_t bytes;
         if constexpr (kSwizzle) {
-          bytes = *reinterpret_cast<const uint32_t*>(stage + W::kVScaleAt + pp * W::kScaleBytes +
-                                                     4 * v_block);
+          bytes = *reinterpret_cast<const uint32_t*>(stage + v_scale_at + 16 * k * W::kScaleBytes);
           if constexpr (kMasked) {  // the group's bytes past `end` (copied whole) are not ours
             const int valid = min(max(int(end - base) - pp, 0), 4);
             bytes &= valid == 4 ? 0xFFFFFFFFu : (1u << (8 * valid)) - 1u;
@@ -356,8 +387,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // passes it by more than kWideSlack: P = 2^(score - m) <= 2^kWideSlack then, exact in fp16
     // as any P is, and the sums are float32. Most steps only vote (the barrier they need
     // anyway); a step whose scores pass sets m to the columns' max through shared memory.
-    // x = score - m (+inf where m is still -inf: the step passes), computed again for P
-    // rather than kept (registers); -inf past the column's end.
+    // x = score - m (+huge where m is still kWideUnseen: the step passes), computed again for
+    // P rather than kept (registers); -inf past the column's end.
     uint32_t limit[8];
     if constexpr (kMasked) {
 #pragma unroll
@@ -407,8 +438,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         float most = m[c];
 #pragma unroll
         for (int w = 0; w < 4; ++w) most = fmaxf(most, exchange[w * kFewRowsWide + col]);
-        // (nothing seen yet: no -inf - -inf; the old state is zeros then)
-        const float alpha = exp2_approx(m[c] - (most == -INFINITY ? 0.f : most));
+        // (nothing seen before: alpha 0, or 1 where nothing is seen yet; the state is zeros)
+        const float alpha = exp2_approx(m[c] - most);
         m[c] = most;
         l[c] *= alpha;
 #pragma unroll
@@ -421,33 +452,28 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // m-block j's 8 x 8 matrices (this warp's rows 8 hh .. 8 hh + 7, columns 8 t ..), lane L
     // giving the address of row L % 8 of matrix t = L / 8; P added to the sums `l`.
     const auto write_p = [&] {
-      float ref[8];  // m, or 0 for a column that has seen nothing (its P is 0)
 #pragma unroll
-      for (int c = 0; c < 8; ++c) ref[c] = m[c] == -INFINITY ? 0.f : m[c];
-      #pragma unroll
       for (int j = 0; j < W::kMBlocks; ++j)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           uint32_t packed[4];
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, ref));
-            const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, ref));
+            const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, m));
+            const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, m));
             l[2 * t] += p0;
             l[2 * t + 1] += p1;
             packed[t] = pack_f16x2(p0, p1);
           }
-          const int n = 8 * (lane >> 3) + (lane & 7);
-          stmatrix_x4_trans(p_t + j * W::kBBlockBytes +
-                                swizzle128_offset(n, 16 * warp + 8 * hh),
-                            packed[0], packed[1], packed[2], packed[3]);
+          stmatrix_x4_trans(p_row_at[hh] + j * W::kBBlockBytes, packed[0], packed[1], packed[2],
+                            packed[3]);
         }
       fence_proxy_async_shared();  // P^T is read by wgmma
     };
     // The copies of step i + kWideStages into this step's stage (every warp done reading it).
     const auto refill = [&] {
       if (i + kWideStages < num_steps) {
-        copier.copy(const_cast<uint8_t*>(stage), step_base(i + kWideStages));
+        copier.copy(stage_at, step_base(i + kWideStages));
         if (i + kWideStages + 1 < num_steps) copier.fetch(step_base(i + kWideStages + 1));
       }
       copy_async_commit();
@@ -461,10 +487,17 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   };
   // The steps before the first row's end, then the others.
   const int unmasked = min(int((mask_from - begin) / kWideStep), num_steps);
+  // (The stage's offset follows i % kWideStages without the division.)
+  const auto next_stage = [](uint32_t at) {
+    return at == (kWideStages - 1) * W::kStageBytes ? 0u : at + W::kStageBytes;
+  };
+  uint32_t stage_at = 0;
 #pragma unroll 1
-  for (int i = 0; i < unmasked; ++i) step(i, std::false_type{});
+  for (int i = 0; i < unmasked; ++i, stage_at = next_stage(stage_at))
+    step(i, stage_at, std::false_type{});
 #pragma unroll 1
-  for (int i = unmasked; i < num_steps; ++i) step(i, std::true_type{});
+  for (int i = unmasked; i < num_steps; ++i, stage_at = next_stage(stage_at))
+    step(i, stage_at, std::true_type{});
   issue_values();  // the last step's
   wgmma_wait<0>();
 #pragma unroll
@@ -495,10 +528,10 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
     for (int w = 0; w < 4; ++w) sum += exchange[w * kFewRowsWide + col];
     const int64_t row = seq.q_row(col);
-    // A row saw nothing in this split where its reference never left -inf and its sum is 0;
-    // a row whose every score was NaN (a NaN in q) also keeps -inf, but its sum is NaN: a NaN
-    // row (value and lse), as on every other path.
-    const bool empty = m[c] == -INFINITY && !isnan(sum);
+    // A row saw nothing in this split where its reference is still kWideUnseen and its sum is
+    // 0; a row whose every score was NaN (a NaN in q) also keeps kWideUnseen, but its sum is
+    // NaN: a NaN row (value and lse), as on every other path.
+    const bool empty = m[c] == kWideUnseen && !isnan(sum);
     const float lse2 = m[c] + __log2f(sum);
 #pragma unroll
     for (int j = 0; j < 2; ++j)

@@ -29,6 +29,9 @@ int DecodeClusterMergeSplits(int head_size);
 int RaggedResidentCtasPerSm(int head_size);
 // Likewise for ragged attention's few-row kernel (0 for head sizes it does not take).
 int FewRowsResidentCtasPerSm(int head_size);
+// CTAs of the few-row kernel's wide path (17 to 32 rows, its own kernel) resident on one SM of
+// the current GPU: 0 where it does not run (head sizes other than 128, no sm_90a code).
+int WideRowsResidentCtasPerSm(int head_size);
 // The most query rows per kv head the few-row kernel takes on the current GPU (16, or 32 at head
 // size 128 where the build has sm_90a code for it).
 int FewRowsMaxRows(int head_size);

@@ -83,12 +83,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 
 // Four 8x8 16-bit matrices from registers (a lane's row g, columns 2q, 2q + 1 of each) into
 // shared memory transposed: lane L gives the address of row L % 8 of matrix L / 8 of the result.
-__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(
-                   shared_address(p)),
+// (The address as a shared-memory address, or a generic pointer.)
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t at, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(at),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
+}
+__device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t r1, uint32_t r2,
+                                                  uint32_t r3) {
+  stmatrix_x4_trans(shared_address(p), r0, r1, r2, r3);
 }
 
 // Head dimension of position p (0..7) of a converted group of 8 (e2m1x8_to_f16x2's order:

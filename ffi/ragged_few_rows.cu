@@ -56,13 +56,17 @@ constexpr int kFewRowsCtasPerSm = NVFP4_FEW_ROWS_MIN_CTAS;
 constexpr int kFewRowsStagedSlots = NVFP4_FEW_ROWS_STAGED;
 constexpr bool kFewRowsStaged = kFewRowsStagedSlots > 0;
 // Dynamic shared memory a CTA takes when staged: the slots, which the warps' merge then reuses.
-// Head size 128 also takes the wide path's (17 to 32 rows, few_rows_wide.cuh).
 template <int kHead>
-constexpr int kFewRowsSmem =
-    kHead == kFewRowsWideHead && kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows> < WideShape::kSmemBytes
-        ? WideShape::kSmemBytes
-        : kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
+constexpr int kFewRowsSmem = kStagedSmem<kHead, kFewRowsStagedSlots, kFewRows>;
 static_assert(kFewRowsSmem<kFewRowsMaxHead> <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
+// The sequences of 17 to 32 rows (head size 128, sm_90a: few_rows_wide.cuh) have a kernel of
+// their own, WideRowsKernel, budgeted for NVFP4_WIDE_MIN_CTAS CTAs per SM (its registers:
+// in one kernel with the 16-row path it had that path's 243-255 registers and 2 CTAs per SM).
+#ifndef NVFP4_WIDE_MIN_CTAS
+#define NVFP4_WIDE_MIN_CTAS 3
+#endif
+constexpr int kWideCtasPerSm = NVFP4_WIDE_MIN_CTAS;
+static_assert(WideShape::kSmemBytes <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
 
 // The work of one CTA on a sequence of `rows` query rows (kNT n-tiles of 8: a compile-time
 // count, so that no loop over the rows branches).
@@ -174,9 +178,36 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
   if (q_len * group <= kFewRows)
     return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
                                                         start, q_len, smem);
-  // 17 to 32 rows: taken at head size 128 only, where the build has sm_90a code (FewRowsMaxRows)
-  if constexpr (kHead == kFewRowsWideHead)
-    attend_wide_rows<kSwizzle, kLayout>(p, grid, b, kv_head, member, split, start, q_len, smem);
+  // 17 to 32 rows (taken at head size 128 only, where the build has sm_90a code:
+  // FewRowsMaxRows): WideRowsKernel's
+}
+
+// The sequences of 17 to 32 rows the few-row kernel takes (its other work: fill slots, NaN
+// rows of sequences over max_q_len, sequences of up to 16 rows, is FewRowsKernel's, in the
+// same call).
+template <bool kSwizzle, Layout kLayout>
+__global__ void __launch_bounds__(kWideThreads, kWideCtasPerSm)
+    WideRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
+  extern __shared__ __align__(1024) uint8_t wide_smem[];
+  const int lane = threadIdx.x & 31;
+  const RaggedCta cta = ragged_cta(p, grid);
+  if (cta.slot >= cta.ns) return;
+  int32_t start, next;
+  sequence_tokens(cta.cu, cta.slot, p.num_tokens, lane, &start, &next);
+  const int32_t q_len = next - start;
+  if (!takes_few_rows(p, q_len, cta.group, kFewRowsWideHead) || exceeds_max_q_len(p, q_len) ||
+      q_len * cta.group <= kFewRows)
+    return;
+  attend_wide_rows<kSwizzle, kLayout>(p, grid, cta.slot, cta.kv_head, cta.member, cta.split,
+                                      start, q_len, wide_smem);
+}
+
+// Whether a call may have sequences of more than kFewRows rows for WideRowsKernel: the build
+// and GPU take them (few_rows_max), and the caller's max_q_len (if any) lets them.
+inline bool MayHaveWideRows(const RaggedProblem& p) {
+  const int64_t group = p.num_q_heads / p.page.num_kv_heads;
+  return p.page.head_size == kFewRowsWideHead && p.few_rows_max > kFewRows &&
+         (p.max_q_len <= 0 || int64_t(p.max_q_len) * group > kFewRows);
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -196,6 +227,21 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   kernel<<<blocks, kThreads, kFewRowsSmem<kHead>, stream>>>(p, grid);
+  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
+  if constexpr (kHead == kFewRowsWideHead) {
+    if (MayHaveWideRows(p)) {
+      constexpr auto wide = WideRowsKernel<kSwizzle, kLayout>;
+      if (const cudaError_t ok = ConfigureDynamicSmem<wide>(WideShape::kSmemBytes);
+          ok != cudaSuccess) {
+        cudaGetLastError();
+        return ok;
+      }
+      // A CTA per (sequence, kv head), no fill slots.
+      const dim3 wide_blocks(uint32_t(int64_t(p.max_num_seqs) * p.page.num_kv_heads), 1,
+                             uint32_t(p.stacked * p.num_splits));
+      if (wide_blocks.x > 0) wide<<<wide_blocks, kWideThreads, WideShape::kSmemBytes, stream>>>(p, grid);
+    }
+  }
   return cudaGetLastError();
 }
 
@@ -214,6 +260,12 @@ int FewRowsResidentCtasPerSm(int head_size) {
         }
       },
       0);
+}
+
+int WideRowsResidentCtasPerSm(int head_size) {
+  if (head_size != kFewRowsWideHead || !WgmmaCodeRuns()) return 0;
+  return ResidentCtasPerSm<WideRowsKernel<true, Layout::kHND>>(kWideThreads,
+                                                                WideShape::kSmemBytes);
 }
 
 int FewRowsMaxRows(int head_size) {

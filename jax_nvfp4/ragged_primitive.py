@@ -63,6 +63,9 @@ FEW_ROWS = 16
 FEW_ROWS_WIDE = 32
 FEW_ROWS_MAX_HEAD_SIZE = 128
 _DEFAULT_FEW_ROWS_CTAS_PER_SM = 2
+#: The wide path's own kernel (17 to 32 rows, ffi/ragged_few_rows.cu's WideRowsKernel): its
+#: launch bounds' CTAs per SM, for when the GPU cannot be asked.
+_DEFAULT_WIDE_ROWS_CTAS_PER_SM = 3
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
 #: Most stacked members x splits: the kernel's grid puts them on its z axis.
@@ -139,6 +142,23 @@ def _few_rows_resident_ctas(head_size: int) -> int:
     """The few-row kernel's CTAs per SM on this GPU."""
     return _decode.resident_ctas("few_rows_resident_ctas_per_sm", head_size,
                                  _DEFAULT_FEW_ROWS_CTAS_PER_SM)
+
+
+def _wide_rows_resident_ctas(head_size: int) -> int:
+    """The CTAs per SM on this GPU of the few-row kernel's wide path (17 to 32 rows, its own
+    kernel); the 16-row kernel's where the wide path does not run."""
+    return _decode.resident_ctas("wide_rows_resident_ctas_per_sm", head_size,
+                                 _few_rows_resident_ctas(head_size))
+
+
+def few_rows_plan_ctas(alone: bool, max_q_len, num_q_heads: int, num_kv_heads: int,
+                       head_size: int) -> int:
+    """The few-row work's CTAs per SM for the split plan: where the few-row kernels serve the
+    call ``alone`` with a bound ``max_q_len`` of more than ``FEW_ROWS`` rows per kv head, the
+    wide path's kernel does the work (its own occupancy); otherwise (up to ``FEW_ROWS`` rows, or
+    no bound: the sequences' rows are not known) the 16-row kernel's."""
+    wide = alone and max_q_len * (num_q_heads // num_kv_heads) > FEW_ROWS
+    return (_wide_rows_resident_ctas if wide else _few_rows_resident_ctas)(head_size)
 
 
 def few_rows_max(head_size: int) -> int:
@@ -231,7 +251,8 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_sca
     alone = few_rows_only(max_q_len, num_q_heads, geo.num_kv_heads, head_size, few_rows)
     splits, tokens_per_split = plan_splits(
         stacked, num_tokens, max_num_seqs, geo.num_kv_heads, num_q_heads, head_size, max_tokens,
-        _decode._sm_count(), _resident_ctas(head_size), _few_rows_resident_ctas(head_size),
+        _decode._sm_count(), _resident_ctas(head_size),
+        few_rows_plan_ctas(alone, max_q_len, num_q_heads, geo.num_kv_heads, head_size),
         alone=alone, few_rows=few_rows)
     # The sequences that own one query token go to the decode kernel (launched by the same
     # call, after the ragged kernel), planned as a decode batch of max_num_seqs sequences;

@@ -184,6 +184,25 @@ def test_few_rows_only_rule():
             rp.plan_splits(1, 128, 32, 8, 32, 128, 8192, 132, 2, 2))
 
 
+def test_few_rows_plan_ctas_rule(monkeypatch):
+    """The plan's occupancy for the few-row work: the wide path's own kernel's (17 to 32 rows)
+    only where the few-row kernels serve the call alone with a bound past 16 rows per kv head;
+    the 16-row kernel's otherwise (a smaller bound, or no bound: the rows are not known)."""
+    monkeypatch.setattr(rp, "_few_rows_resident_ctas", lambda head_size: 2)
+    monkeypatch.setattr(rp, "_wide_rows_resident_ctas", lambda head_size: 3)
+    assert rp.few_rows_plan_ctas(True, 8, 32, 8, 128) == 3       # 32 rows
+    assert rp.few_rows_plan_ctas(True, 5, 32, 8, 128) == 3       # 20 rows
+    assert rp.few_rows_plan_ctas(True, 4, 32, 8, 128) == 2       # 16 rows
+    assert rp.few_rows_plan_ctas(True, 16, 8, 8, 128) == 2       # 16 rows, GQA 1
+    assert rp.few_rows_plan_ctas(False, None, 32, 8, 128) == 2
+    # 32 x 8 over 8192 at 3 CTAs per SM: 3 splits (768 CTAs, 1.94 waves of 396 slots) where 2
+    # CTAs per SM plan 1 (256 CTAs on 264 slots).
+    assert rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 3, alone=True,
+                          few_rows=rp.FEW_ROWS_WIDE) == (3, 2752)
+    assert rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 2, alone=True,
+                          few_rows=rp.FEW_ROWS_WIDE) == (1, 8192)
+
+
 def test_token_plan_rules():
     """Non-decreasing cu_q_lens inside [0, T] as given; otherwise its running maximum clamped
     into [0, T] (one owner per token); num_seqs clamped; queries at negative positions and
@@ -710,8 +729,8 @@ def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
     splits, _ = rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 2 * ratio, head_size,
                                case.capacity, jax.devices("gpu")[0].core_count,
                                rp._resident_ctas(head_size),
-                               rp._few_rows_resident_ctas(head_size), alone=True,
-                               few_rows=few_rows)
+                               rp.few_rows_plan_ctas(True, most, 2 * ratio, 2, head_size),
+                               alone=True, few_rows=few_rows)
     assert splits > 1                                   # the merge runs too
     ref, ref_lse = _cpu(case.run, q, return_lse=True)
     gpu = jax.device_put(case.args(q), jax.devices("gpu")[0])
@@ -724,6 +743,19 @@ def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
     assert np.isnan(out[over]).all() and np.isnan(lse[over]).all()
     assert_out_close(out[~over], np.asarray(ref)[~over], q.dtype, roundings=2)
     assert_lse_close(lse[~over], np.asarray(ref_lse)[~over], KERNEL_LSE_ABS)
+
+
+@pytest.mark.gpu
+def test_gpu_wide_rows_kernel_occupancy():
+    """Where the few-row kernel takes 32 rows (head size 128 with sm_90a code), its wide path is
+    a kernel of its own that fits 3 CTAs per SM (its launch bounds; with the 16-row path in one
+    kernel it had 2), which a bounded call past 16 rows plans with; the 16-row kernel keeps 2."""
+    if rp.few_rows_max(128) != rp.FEW_ROWS_WIDE:
+        pytest.skip("no sm_90a code for this GPU: the few-row kernel takes 16 rows")
+    assert rp._wide_rows_resident_ctas(128) == 3
+    assert rp._few_rows_resident_ctas(128) == 2
+    assert rp.few_rows_plan_ctas(True, 8, 32, 8, 128) == 3
+    assert rp._wide_rows_resident_ctas(64) == rp._few_rows_resident_ctas(64)  # no wide path
 
 
 @pytest.mark.gpu
