@@ -1,6 +1,7 @@
 // The few-row kernel's path for 17 to 32 query rows per kv head at head size 128 (speculative
 // decoding's 32 x 8: 8 draft tokens x GQA 4), on wgmma (sm_90a), one warpgroup (the CTA's 4
-// warps) per (sequence, kv head, split).
+// warps) per (sequence, kv head, split), launched as a kernel of its own (WideRowsKernel,
+// ragged_few_rows.cu: 168 registers, 3 CTAs a SM).
 //
 // Why: with 32 rows a warp's O^T accumulators alone take 128 registers, so the 16-row loop of
 // chunk_attention.cuh cannot hold them (it spilled: 514 us at 32 x 8 over 8192, against 346 on
