@@ -131,10 +131,10 @@ struct WideCopy {
     const bool v_side = threadIdx.x >= kWideStep;
     side_at_head = pv.cache + (v_side ? pv.side_bytes : 0) + int64_t(pv.head_row) * W::kCodeBytes;
     scale_from_row0 = pv.side_data + pv.head_row * (W::kScaleBytes - W::kCodeBytes);
-    // V's pieces are swizzled (wide_v_code_at): piece c of position p at piece c ^ ((p / 4) % 4)
-    // of its 64-byte row, i.e. at (row + swizzle) ^ 16 c.
-    code_to = shared_address(ring) + (v_side ? W::kVCodeAt : W::kKCodeAt) + p * W::kCodeBytes +
-              (v_side ? ((p >> 2) & 3u) << 4 : 0u);
+    // V's pieces are swizzled (wide_v_code_at): piece c of a position's 64-byte row is at
+    // (its piece 0) ^ 16 c.
+    code_to = shared_address(ring) +
+              (v_side ? wide_v_code_at(int(p), 0) : W::kKCodeAt + int(p) * W::kCodeBytes);
     scale_to = shared_address(ring) + (v_side ? W::kVScaleAt : W::kKScaleAt) + p * W::kScaleBytes;
   }
 

@@ -63,9 +63,6 @@ FEW_ROWS = 16
 FEW_ROWS_WIDE = 32
 FEW_ROWS_MAX_HEAD_SIZE = 128
 _DEFAULT_FEW_ROWS_CTAS_PER_SM = 2
-#: The wide path's own kernel (17 to 32 rows, ffi/ragged_few_rows.cu's WideRowsKernel): its
-#: launch bounds' CTAs per SM, for when the GPU cannot be asked.
-_DEFAULT_WIDE_ROWS_CTAS_PER_SM = 3
 #: Largest split-KV workspace (partial outputs, float32) the plan may ask for.
 MAX_WORKSPACE_BYTES = 256 << 20
 #: Most stacked members x splits: the kernel's grid puts them on its z axis.
