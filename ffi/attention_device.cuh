@@ -239,13 +239,25 @@ struct PowerOfTwo {
 // ------------------------------------------------------------------------------------------
 // Split-KV: the partial results of `count` splits of one query row (lse(s): the log2-unit lse of
 // split s, -inf for a split with nothing in it; partial(s): the split's output normalised by
-// its own sum), combined with weights 2^(lse_s - max). Returns the combined value (0 where
-// every split is empty, NaN where any split's lse is NaN: a NaN score, as the jnp path gives)
-// and sets *lse2 to the combined log2 lse (-inf, NaN then). The merge kernels read the
-// splits from global memory, the decode kernel's cluster merge from its peers' shared memory.
+// its own sum, one value (float) or four adjacent ones (float4)), combined with weights
+// 2^(lse_s - max). Returns the combined value(s) (0 where every split is empty, NaN where any
+// split's lse is NaN: a NaN score, as the jnp path gives) and sets *lse2 to the combined log2
+// lse (-inf, NaN then). The merge kernels read the splits from global memory, the decode
+// kernel's cluster merge from its peers' shared memory.
+__device__ __forceinline__ void fill_value(float& v, float x) { v = x; }
+__device__ __forceinline__ void fill_value(float4& v, float x) { v = make_float4(x, x, x, x); }
+__device__ __forceinline__ void add_weighted(float& acc, float w, float x) { acc += w * x; }
+__device__ __forceinline__ void add_weighted(float4& acc, float w, float4 x) {
+  acc.x += w * x.x, acc.y += w * x.y, acc.z += w * x.z, acc.w += w * x.w;
+}
+__device__ __forceinline__ float divided(float a, float b) { return a / b; }
+__device__ __forceinline__ float4 divided(float4 a, float b) {
+  return make_float4(a.x / b, a.y / b, a.z / b, a.w / b);
+}
 template <typename Lse, typename Partial>
-__device__ __forceinline__ float merge_splits(int count, Lse&& lse, Partial&& partial,
-                                              float* lse2) {
+__device__ __forceinline__ auto merge_splits(int count, Lse&& lse, Partial&& partial,
+                                             float* lse2) {
+  using Value = std::decay_t<decltype(partial(0))>;
   float top = -INFINITY;
   bool nan = false;
   for (int s = 0; s < count; ++s) {
@@ -253,20 +265,23 @@ __device__ __forceinline__ float merge_splits(int count, Lse&& lse, Partial&& pa
     top = fmaxf(top, x);  // fmaxf passes NaN over: counted apart
     nan |= isnan(x);
   }
+  Value acc;
   if (nan || top == -INFINITY) {
     *lse2 = nan ? NAN : -INFINITY;
-    return nan ? NAN : 0.f;
+    fill_value(acc, nan ? NAN : 0.f);
+    return acc;
   }
-  float sum = 0.f, acc = 0.f;
+  float sum = 0.f;
+  fill_value(acc, 0.f);
   for (int s = 0; s < count; ++s) {
     const float x = lse(s);
     if (x == -INFINITY) continue;  // an empty split: its partial output was not written
     const float weight = exp2_approx(x - top);
     sum += weight;
-    acc += weight * partial(s);
+    add_weighted(acc, weight, partial(s));
   }
   *lse2 = top + __log2f(sum);
-  return acc / sum;
+  return divided(acc, sum);
 }
 
 // merge_splits over the split-KV workspace of one row: lse [count], partial [count][stride],

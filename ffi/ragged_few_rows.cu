@@ -132,6 +132,44 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
                           });
 }
 
+// What a CTA of either few-row kernel does before it attends. Block x past the sequences' (only
+// in the grid of the kernel that serves the call alone) is a fill slot: zeros for the tokens
+// nobody owns. A sequence over max_q_len gets NaN rows: among those the kernels take, and
+// alone (the kernel then owes every sequence its rows, and the handler checked that
+// max_q_len's fit) any they cannot take; by the kernel that `owes` them (the one that also
+// takes the sequences of up to kFewRows rows). Returns whether the CTA attends for sequence
+// cta.slot, whose tokens are [*start, *start + *q_len).
+template <int kHead>
+__device__ __forceinline__ bool few_rows_sequence(const RaggedProblem& p, const RaggedCta& cta,
+                                                  bool owes, int32_t* start, int32_t* q_len) {
+  const int lane = threadIdx.x & 31;
+  if (cta.slot >= p.max_num_seqs) {
+    if (owes)
+      zero_unowned_tokens<kHead, kThreads>(p, cta.cu, cta.ns, cta.group, cta.kv_head,
+                                           cta.member_rows, cta.split,
+                                           cta.slot - p.max_num_seqs, lane);
+    return false;
+  }
+  if (cta.slot >= cta.ns) return false;
+  int32_t next;
+  sequence_tokens(cta.cu, cta.slot, p.num_tokens, lane, start, &next);
+  *q_len = next - *start;
+  const bool taken = takes_few_rows(p, *q_len, cta.group, kHead);
+  if (taken ? exceeds_max_q_len(p, *q_len) : p.few_rows_only && *q_len > 0) {
+    if (owes) {
+      for (int32_t i = threadIdx.x; i < *q_len * cta.group * kHead; i += kThreads) {
+        const int32_t r = i / kHead;
+        const int64_t row = cta.member_rows +
+                            int64_t(*start + r / cta.group) * p.num_q_heads +
+                            cta.kv_head * cta.group + r % cta.group;
+        write_nan(p, row, cta.split, i % kHead, kHead);
+      }
+    }
+    return false;
+  }
+  return taken;  // (CTA-uniform)
+}
+
 template <int kHead, bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     FewRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
@@ -144,59 +182,37 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     __shared__ float merge_floats[kMergeFloats<kHead, kFewRows>];
     smem = reinterpret_cast<uint8_t*>(merge_floats);
   }
-  const int lane = threadIdx.x & 31;
   const RaggedCta cta = ragged_cta(p, grid);  // (slot b: sequence b)
-  const int32_t b = cta.slot, kv_head = cta.kv_head, member = cta.member, split = cta.split;
-  const int32_t group = cta.group, ns = cta.ns, max_num_seqs = p.max_num_seqs;
-  const int32_t* const cu = cta.cu;
-  if (b >= max_num_seqs) {  // a fill slot (p.few_rows_only): zeros for the tokens nobody owns
-    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head, cta.member_rows, split,
-                                         b - max_num_seqs, lane);
-    return;
-  }
-  if (b >= ns) return;
-  int32_t start, next;
-  sequence_tokens(cu, b, p.num_tokens, lane, &start, &next);
-  const int32_t q_len = next - start;
-  const bool taken = takes_few_rows(p, q_len, group, kHead);
-  // A sequence over max_q_len gets NaN rows: among those the kernel takes, and alone (the
-  // kernel then owes every sequence its rows, and the handler checked that max_q_len's fit)
-  // any it cannot take.
-  if (taken ? exceeds_max_q_len(p, q_len) : p.few_rows_only && q_len > 0) {
-    for (int32_t i = threadIdx.x; i < q_len * group * kHead; i += kThreads) {
-      const int32_t r = i / kHead;
-      const int64_t row = (int64_t(member) * p.num_tokens + start + r / group) * p.num_q_heads +
-                          kv_head * group + r % group;
-      write_nan(p, row, split, i % kHead, kHead);
-    }
-    return;
-  }
-  if (!taken) return;  // (CTA-uniform) another kernel's sequence
-  if (q_len * group <= 8)  // one n-tile, or two
-    return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, b, kv_head, member, split,
-                                                        start, q_len, smem);
-  if (q_len * group <= kFewRows)
-    return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, b, kv_head, member, split,
-                                                        start, q_len, smem);
+  int32_t start, q_len;
+  if (!few_rows_sequence<kHead>(p, cta, true, &start, &q_len)) return;
+  if (q_len * cta.group <= 8)  // one n-tile, or two
+    return attend_few_rows<kHead, kSwizzle, kLayout, 1>(p, grid, cta.slot, cta.kv_head,
+                                                        cta.member, cta.split, start, q_len,
+                                                        smem);
+  if (q_len * cta.group <= kFewRows)
+    return attend_few_rows<kHead, kSwizzle, kLayout, 2>(p, grid, cta.slot, cta.kv_head,
+                                                        cta.member, cta.split, start, q_len,
+                                                        smem);
   // 17 to 32 rows (taken at head size 128 only, where the build has sm_90a code:
   // FewRowsMaxRows): WideRowsKernel's
 }
 
-// The sequences of 17 to 32 rows the few-row kernel takes (its other work: fill slots, NaN
-// rows of sequences over max_q_len, sequences of up to 16 rows, is FewRowsKernel's, in the
-// same call).
+// The sequences of 17 to 32 rows the few-row kernels take; where the call is served alone
+// under a bound past kFewRows rows (p.few_rows_only: the handler then launches this kernel
+// without FewRowsKernel, whose launch, with nothing else to do at speculative decoding's 32
+// rows, cost ~6 us of an H200's ~195), every sequence's, the fill and the NaN rows too. (The
+// wide path's columns past a sequence's rows are padding: any count of rows up to 32 is
+// right on it.)
 template <bool kSwizzle, Layout kLayout>
 __global__ void __launch_bounds__(kWideThreads, kWideCtasPerSm)
     WideRowsKernel(const RaggedProblem p, const RaggedGrid grid) {
+  static_assert(kWideThreads == kThreads, "few_rows_sequence's fill and NaN rows");
   extern __shared__ __align__(1024) uint8_t wide_smem[];
-  const int lane = threadIdx.x & 31;
   const RaggedCta cta = ragged_cta(p, grid);
-  if (cta.slot >= cta.ns) return;
-  int32_t start, next;
-  sequence_tokens(cta.cu, cta.slot, p.num_tokens, lane, &start, &next);
-  const int32_t q_len = next - start;
-  if (!takes_few_rows(p, q_len, cta.group, kFewRowsWideHead) || exceeds_max_q_len(p, q_len) ||
-      q_len * cta.group <= kFewRows)
+  const bool alone = p.few_rows_only;
+  int32_t start, q_len;
+  if (!few_rows_sequence<kFewRowsWideHead>(p, cta, alone, &start, &q_len) ||
+      (!alone && q_len * cta.group <= kFewRows))
     return;
   attend_wide_rows<kSwizzle, kLayout>(p, grid, cta.slot, cta.kv_head, cta.member, cta.split,
                                       start, q_len, wide_smem);
@@ -222,24 +238,32 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
   // A CTA per (sequence, kv head); alone, also the fill slots of the ragged kernel's grid.
+  // Alone under a bound past kFewRows rows, WideRowsKernel does all of it (see there).
   const int64_t fill = p.few_rows_only ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens
                                        : 0;
+  const bool wide = kHead == kFewRowsWideHead && MayHaveWideRows(p);
   const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  kernel<<<blocks, kThreads, kFewRowsSmem<kHead>, stream>>>(p, grid);
-  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) return launched;
+  if (!(wide && p.few_rows_only) && blocks.x > 0) {
+    kernel<<<blocks, kThreads, kFewRowsSmem<kHead>, stream>>>(p, grid);
+    if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess)
+      return launched;
+  }
   if constexpr (kHead == kFewRowsWideHead) {
-    if (MayHaveWideRows(p)) {
-      constexpr auto wide = WideRowsKernel<kSwizzle, kLayout>;
-      if (const cudaError_t ok = ConfigureDynamicSmem<wide>(WideShape::kSmemBytes);
+    if (wide) {
+      constexpr auto wide_kernel = WideRowsKernel<kSwizzle, kLayout>;
+      if (const cudaError_t ok = ConfigureDynamicSmem<wide_kernel>(WideShape::kSmemBytes);
           ok != cudaSuccess) {
         cudaGetLastError();
         return ok;
       }
-      // A CTA per (sequence, kv head), no fill slots.
-      const dim3 wide_blocks(uint32_t(int64_t(p.max_num_seqs) * p.page.num_kv_heads), 1,
-                             uint32_t(p.stacked * p.num_splits));
-      if (wide_blocks.x > 0) wide<<<wide_blocks, kWideThreads, WideShape::kSmemBytes, stream>>>(p, grid);
+      // A CTA per (sequence, kv head); the fill slots where it serves the call alone.
+      const dim3 wide_blocks(
+          uint32_t((int64_t(p.max_num_seqs) + (p.few_rows_only ? fill : 0)) *
+                   p.page.num_kv_heads),
+          1, blocks.z);
+      if (wide_blocks.x > 0)
+        wide_kernel<<<wide_blocks, kWideThreads, WideShape::kSmemBytes, stream>>>(p, grid);
     }
   }
   return cudaGetLastError();

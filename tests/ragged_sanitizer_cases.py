@@ -45,6 +45,10 @@ cases = [
      None),
     # the same path alone under max_q_len 8 with split-KV, linear scales, pages of 20
     (12, ((3000, 8), (200, 8), (1, 1), (77, 6), (50, 9)), 128, "HND", False, 20, 2, 8, 8),
+    # the wide kernel alone under max_q_len 8 also takes the drafts of 8 to 16 rows (2 to 4
+    # tokens) and the one-token sequences, split-KV, swizzled scales
+    (13, ((2000, 2), (900, 4), (40, 3), (33, 8), (600, 1), (0, 1)), 128, "HND", True, 16, 2, 8,
+     8),
 ]
 worst = 0.0
 for seed, seqs, d, layout, swz, bs, kv, hq, bound in cases:

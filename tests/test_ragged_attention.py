@@ -717,8 +717,9 @@ def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
     """A bound of max_q_len x the group at the few-row kernel's most rows (16; 32 at head size
     128 on an sm_90 GPU, its wgmma path): the few-row kernel alone serves drafts, one-token
     sequences, an empty sequence and the padding tokens, with split-KV (a few sequences over
-    long contexts); against the jnp path. A bound one token short gives the longest sequences
-    NaN rows, every other row unchanged."""
+    long contexts); against the jnp path. (Past 16 rows the wide kernel is launched alone and
+    takes all of them, those of up to 16 rows too.) A bound one token short gives the longest
+    sequences NaN rows, every other row unchanged."""
     few_rows = rp.few_rows_max(head_size)
     most = few_rows // ratio
     seqs = ((300, most), (37, 1), (1500, max(most - 1, 1)), (9, 0), (16, most), (700, 2))
