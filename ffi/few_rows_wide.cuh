@@ -1,7 +1,9 @@
 // The few-row kernel's path for 17 to 32 query rows per kv head at head size 128 (speculative
 // decoding's 32 x 8: 8 draft tokens x GQA 4), on wgmma (sm_90a), one warpgroup (the CTA's 4
 // warps) per (sequence, kv head, split), launched as a kernel of its own (WideRowsKernel,
-// ragged_few_rows.cu: 168 registers, 3 CTAs a SM).
+// ragged_few_rows.cu: 168 registers, 3 CTAs a SM). Where it serves a call alone (a bound past
+// 16 rows) it takes the sequences of 1 to 16 rows too: columns past a sequence's rows are
+// padding.
 //
 // Why: with 32 rows a warp's O^T accumulators alone take 128 registers, so the 16-row loop of
 // chunk_attention.cuh cannot hold them (it spilled: 514 us at 32 x 8 over 8192, against 346 on
@@ -166,8 +168,9 @@ struct WideCopy {
   }
 };
 
-// The work of one CTA (one warpgroup) on a sequence of 17 to 32 query rows at head size 128:
-// as attend_few_rows (ragged_few_rows.cu), whose arguments it takes.
+// The work of one CTA (one warpgroup) on a sequence of up to 32 query rows at head size 128
+// (17 to 32, or any where WideRowsKernel serves the call alone): as attend_few_rows
+// (ragged_few_rows.cu), whose arguments it takes.
 template <bool kSwizzle, Layout kLayout>
 __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const RaggedGrid& grid,
                                                  int32_t b, int32_t kv_head, int32_t member,

@@ -406,11 +406,13 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
       max_q_len: optional static bound on any sequence's query tokens (a Python int >= 1;
         vLLM's ``max_query_len``, FlashAttention's ``max_seqlen_q``), which lets the call skip
         kernels that cannot have work: on a GPU, when ``max_q_len`` x the GQA group is at most
-        16 and the head size at most 128 (speculative decoding's verify step), the few-row
-        kernel alone serves every sequence, one-token ones included (their results then equal
-        the decode reader's to float32 rounding, not bit for bit), and the ragged and decode
-        kernels are not launched. A sequence with more query tokens gets NaN rows (out and
-        lse) on every path; ``checked=True`` reports it. ``None`` (the default): no bound.
+        16 (32 at head size 128 where the build has sm_90a code) and the head size at most 128
+        (speculative decoding's verify step), the few-row kernels alone serve every sequence,
+        one-token ones included, and the ragged and decode kernels are not launched. The
+        results then agree with the unbounded call's within the kernels' rounding (P in
+        fp16, other summation orders; past 16 rows every sequence runs on the wgmma path),
+        not bit for bit. A sequence with more query tokens gets NaN rows (out and lse) on
+        every path; ``checked=True`` reports it. ``None`` (the default): no bound.
 
     Returns:
       ``[num_tokens, num_q_heads, head_size]`` in q's dtype, or ``(out, lse)``.
