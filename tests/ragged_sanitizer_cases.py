@@ -49,6 +49,8 @@ cases = [
     # tokens) and the one-token sequences, split-KV, swizzled scales
     (13, ((2000, 2), (900, 4), (40, 3), (33, 8), (600, 1), (0, 1)), 128, "HND", True, 16, 2, 8,
      8),
+    # the same with one split (short contexts): its fill and NaN rows straight into the output
+    (14, ((40, 8), (9, 2), (30, 9), (5, 1), (70, 5)), 128, "HND", True, 16, 2, 8, 8),
 ]
 worst = 0.0
 for seed, seqs, d, layout, swz, bs, kv, hq, bound in cases:
