@@ -59,11 +59,17 @@ def test_prefill_bench_quick(tmp_path):
     mixed = next(p for p in result["points"] if p["kind"] == "mixed")
     assert mixed["sanity"]["ragged_vs_parts"] < 1e-6  # the jnp paths agree bit for bit
     for r in result["rows"]:
-        assert r["us_per_call"] >= 0 and r["spread_pct"] >= 0
+        assert r["us_per_call"] >= 0
         if r["method"] != "parts":
             assert len(r["chain_lengths"]) == 3
         if r["method"] != "glue":
-            assert r["tflops"] is not None and r["pct_floor"] is not None and r["flops"] > 0
+            assert r["flops"] > 0
+        if r["us_per_call"] == 0:  # a CPU's jitter can give 0 (chains' differences clamped)
+            assert np.isnan(r["spread_pct"]) and r["tflops"] is None and r["pct_floor"] is None
+            continue
+        assert r["spread_pct"] >= 0
+        if r["method"] != "glue":
+            assert r["tflops"] is not None and r["pct_floor"] is not None
     ragged = {r["point"]: r for r in result["rows"] if r["method"] == "ragged"}
     for name in QUICK_POINTS:
         assert ragged[name]["vs_dense"] is not None
