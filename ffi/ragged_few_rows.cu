@@ -226,47 +226,44 @@ inline bool MayHaveWideRows(const RaggedProblem& p) {
          (p.max_q_len <= 0 || int64_t(p.max_q_len) * group > kFewRows);
 }
 
-template <int kHead, bool kSwizzle, Layout kLayout>
-cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
-  constexpr auto kernel = FewRowsKernel<kHead, kSwizzle, kLayout>;
-  const cudaError_t configured = ConfigureDynamicSmem<kernel>(kFewRowsSmem<kHead>);
-  if (configured != cudaSuccess) {
+// One of the few-row kernels over `blocks`, its dynamic shared memory configured first.
+template <auto kKernel>
+cudaError_t LaunchConfigured(cudaStream_t stream, dim3 blocks, int threads, int smem_bytes,
+                             const RaggedProblem& p, const RaggedGrid& grid) {
+  if (const cudaError_t configured = ConfigureDynamicSmem<kKernel>(smem_bytes);
+      configured != cudaSuccess) {
     cudaGetLastError();  // reported here, not by the next launch's check
     return configured;
   }
+  kKernel<<<blocks, threads, smem_bytes, stream>>>(p, grid);
+  return cudaGetLastError();
+}
+
+template <int kHead, bool kSwizzle, Layout kLayout>
+cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
-  // A CTA per (sequence, kv head); alone, also the fill slots of the ragged kernel's grid.
-  // Alone under a bound past kFewRows rows, WideRowsKernel does all of it (see there).
+  // Both kernels' grid: a CTA per (sequence, kv head); alone, also the fill slots of the
+  // ragged kernel's grid.
   const int64_t fill = p.few_rows_only ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens
                                        : 0;
-  const bool wide = kHead == kFewRowsWideHead && MayHaveWideRows(p);
   const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  if (!(wide && p.few_rows_only) && blocks.x > 0) {
-    kernel<<<blocks, kThreads, kFewRowsSmem<kHead>, stream>>>(p, grid);
-    if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess)
-      return launched;
+  if (blocks.x == 0) return cudaSuccess;
+  // Alone under a bound past kFewRows rows, WideRowsKernel does all of it (see there).
+  const bool wide = kHead == kFewRowsWideHead && MayHaveWideRows(p);
+  if (!(wide && p.few_rows_only)) {
+    const cudaError_t error = LaunchConfigured<FewRowsKernel<kHead, kSwizzle, kLayout>>(
+        stream, blocks, kThreads, kFewRowsSmem<kHead>, p, grid);
+    if (error != cudaSuccess) return error;
   }
   if constexpr (kHead == kFewRowsWideHead) {
-    if (wide) {
-      constexpr auto wide_kernel = WideRowsKernel<kSwizzle, kLayout>;
-      if (const cudaError_t ok = ConfigureDynamicSmem<wide_kernel>(WideShape::kSmemBytes);
-          ok != cudaSuccess) {
-        cudaGetLastError();
-        return ok;
-      }
-      // A CTA per (sequence, kv head); the fill slots where it serves the call alone.
-      const dim3 wide_blocks(
-          uint32_t((int64_t(p.max_num_seqs) + (p.few_rows_only ? fill : 0)) *
-                   p.page.num_kv_heads),
-          1, blocks.z);
-      if (wide_blocks.x > 0)
-        wide_kernel<<<wide_blocks, kWideThreads, WideShape::kSmemBytes, stream>>>(p, grid);
-    }
+    if (wide)
+      return LaunchConfigured<WideRowsKernel<kSwizzle, kLayout>>(
+          stream, blocks, kWideThreads, WideShape::kSmemBytes, p, grid);
   }
-  return cudaGetLastError();
+  return cudaSuccess;
 }
 
 }  // namespace
