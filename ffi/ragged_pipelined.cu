@@ -82,10 +82,14 @@ __device__ __forceinline__ int full_barrier(int stage) { return 1 + stage; }
 __device__ __forceinline__ int empty_barrier(int stage) { return 1 + kMaxPipeStages + stage; }
 constexpr int kProducerBarrier = 1 + 2 * kMaxPipeStages;
 __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipeStages + c; }
+// Consumer c's turn to issue its products (ragged v15): the consumers take turns, so that one's
+// softmax runs while the other's products do (FlashAttention-3's ping-pong).
+__device__ __forceinline__ int turn_barrier(int c) { return 4 + 2 * kMaxPipeStages + c; }
+static_assert(4 + 2 * kMaxPipeStages + 1 < 16, "16 named barriers a CTA");
 
 template <bool kSwizzle, Layout kLayout, int kStep>
 __global__ void __launch_bounds__(kPipeThreads, 1)
-    PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid) {
+    PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid, const bool turns) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kHead = kPipelinedHead;
   using R = RaggedShape<kHead>;
@@ -203,6 +207,16 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   // A consumer.
   setmaxnreg_inc<kConsumerRegisters>();
   const int c = wg - 1;
+  // Turns (when `turns`): every consumer takes one at each of the num_steps steps, issuing that
+  // step's products in it (none past its own steps), consumer 0 first; consumer 1 passes no
+  // turn after its last, so that no barrier is left mid-phase.
+  const auto take_turn = [&] {
+    if (turns) named_sync(turn_barrier(c), 2 * kThreads);
+  };
+  const auto pass_turn = [&](int step) {
+    if (turns && (c == 0 || step < num_steps - 1)) named_arrive(turn_barrier(1 - c), 2 * kThreads);
+  };
+  if (turns && c == 1) named_arrive(turn_barrier(0), 2 * kThreads);
   const int rows_here = rows_of(c);
   const int warp = t >> 5, g = lane >> 2, qd = lane & 3;
   const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
@@ -291,7 +305,9 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   if (my_steps > 0) {
     float alpha[2];
     named_sync(full_barrier(0), kPipeThreads);
+    take_turn();
     issue_scores(0);
+    pass_turn(0);
     wgmma_wait<0>();
     softmax(0, alpha);
     rescale_and_pack(alpha);
@@ -305,8 +321,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         if (step >= my_steps) break;
         const int stage = j % P::kStages, before = j - 1;
         named_sync(full_barrier(stage), kPipeThreads);
+        take_turn();
         issue_scores(stage);
         issue_values(before);
+        pass_turn(step);
         wgmma_wait<1>();
         softmax(step, alpha);
         wgmma_wait<0>();
@@ -323,6 +341,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   }
   for (int step = my_steps; step < num_steps; ++step) {
     named_sync(full_barrier(step % P::kStages), kPipeThreads);
+    take_turn();
+    pass_turn(step);
     named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
@@ -372,6 +392,17 @@ int PipelinedStep() {
     return v == "0" ? 0 : v == "128" ? 128 : 64;
   }();
   return step;
+}
+
+// The developers' switch JAX_NVFP4_RAGGED_PINGPONG, read once: 0 lets the consumers issue their
+// products whenever their stage is full (ragged v9 to v14), anything else or nothing makes them
+// take turns (v15).
+bool PipelinedTurns() {
+  static const bool turns = [] {
+    const char* value = std::getenv("JAX_NVFP4_RAGGED_PINGPONG");
+    return value == nullptr || std::string_view(value) != "0";
+  }();
+  return turns;
 }
 
 // Whether the current GPU runs the pipelined prefill kernel in steps of kStep: an sm_90 device,
@@ -429,7 +460,7 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
   PipelinedPrefillKernel<kSwizzle, kLayout, kStep>
       <<<dim3(uint32_t(pair_slots * p->page.num_kv_heads), 1,
               uint32_t(p->stacked * p->num_splits)),
-         kPipeThreads, kSmemBytes, stream>>>(*p, grid);
+         kPipeThreads, kSmemBytes, stream>>>(*p, grid, PipelinedTurns());
   return cudaGetLastError();
 }
 
