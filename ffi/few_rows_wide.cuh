@@ -406,13 +406,11 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       }
       return x;
     };
-    // (four running maxes, not one: a chain of 32 dependent FMNMX sat on the step's critical path)
-    float over4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float over = -INFINITY;
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j)
 #pragma unroll
-      for (int r = 0; r < 16; ++r) over4[r & 3] = fmaxf(over4[r & 3], x_of(j, r, m));
-    const float over = fmaxf(fmaxf(over4[0], over4[1]), fmaxf(over4[2], over4[3]));
+      for (int r = 0; r < 16; ++r) over = fmaxf(over, x_of(j, r, m));
     // A new reference (the rare path, after a vote that some score passed): the columns' max
     // over the warps through shared memory; O and the sums rescaled to it.
     const auto new_reference = [&] {
