@@ -407,44 +407,21 @@ __device__ __forceinline__ WarpRows warp_rows(const int32_t* row_end, const floa
   return w;
 }
 
-// The max of the scores of the warp's row h (entries c with c >> 1 == h) in the first `count`
-// positions, taken as a tree (depth log2 of the n-tiles, where a running max is a chain of 2
-// kSTiles dependent instructions on the softmax's critical path; ragged v16).
-template <int kSTiles>
-__device__ __forceinline__ float row_max(const float (&s)[kSTiles][4], int h, int count) {
-  float v[kSTiles];
-#pragma unroll
-  for (int t = 0; t < kSTiles; ++t)
-    v[t] = t * 8 < count ? fmaxf(s[t][2 * h], s[t][2 * h + 1]) : -INFINITY;
-#pragma unroll
-  for (int w = 1; w < kSTiles; w *= 2)
-#pragma unroll
-    for (int t = 0; t + w < kSTiles; t += 2 * w) v[t] = fmaxf(v[t], v[t + w]);
-  return v[0];
-}
-
-// A row's reference (the max the exponents are taken against) moves only where its scores pass
-// it by more than this (log2 units): P = 2^(x - reference) <= 2^kRescaleSlack (fp16 holds it
-// exactly as it holds P <= 1), and the steps that leave every reference of a warp where it was
-// (most of a long row's, once its max has settled) rescale nothing (rescale_o).
-constexpr float kRescaleSlack = 8.f;
-
 // One step of the online softmax of the warp's two rows over its scores s (n-tile t, entry c:
 // position first + 8 t + 2 qd + (c & 1); the first `count` positions), in two forms. A step that
 // reaches past the end of one of the warp's rows scales each score, masks it and exponentiates
-// its difference to the reference. Every other step (all but the last few of a long tile) needs
-// no mask: the row scale is >= 0 (its sign is in q, stage_q_half), so the max of the scaled
-// scores is the scaled max of the raw ones, and each exponent is one fused multiply-add, s *
-// scale - reference. Both keep the reference m in scaled units (kRescaleSlack above the max at
-// most; lse = m + log2 l holds for any reference). Updates m and l, leaves P in s, and returns
-// the factor O must be rescaled by in alpha (rescale_o: the caller applies it, at once or once
-// an asynchronous P V still reading O is done).
+// its difference to the max. Every other step (all but the last few of a long tile) needs no
+// mask: the row scale is >= 0 (its sign is in q, stage_q_half), so the max of the scaled scores
+// is the scaled max of the raw ones, and each exponent is one fused multiply-add, s * scale -
+// max. Both keep the max in scaled units. Updates m and l, leaves P in s, and returns the factor
+// O must be rescaled by in alpha (rescale_o: the caller applies it, at once or once an
+// asynchronous P V still reading O is done).
 template <int kSTiles>
 __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t first, int count,
                                                const WarpRows& rows, int qd, float (&m)[2],
                                                float (&l)[2], float (&alpha)[2]) {
   const bool masked = first + count > rows.min_end;
-  float top[2];
+  float top[2] = {m[0], m[1]};
   if (masked) {
 #pragma unroll
     for (int t = 0; t < kSTiles; ++t) {
@@ -454,24 +431,28 @@ __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t f
         float x = s[t][c] * rows.score_scale[c >> 1];
         if (first + 8 * t + 2 * qd + (c & 1) >= rows.limit[c >> 1]) x = -INFINITY;
         s[t][c] = x;
+        top[c >> 1] = fmaxf(top[c >> 1], x);
       }
     }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) top[h] = row_max(s, h, count);
   } else {
+    float raw_top[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) top[h] = row_max(s, h, count) * rows.score_scale[h];
+    for (int t = 0; t < kSTiles; ++t) {
+      if (t * 8 >= count) break;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) raw_top[c >> 1] = fmaxf(raw_top[c >> 1], s[t][c]);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) top[h] = fmaxf(top[h], raw_top[h] * rows.score_scale[h]);
   }
   float offset[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 1));
     top[h] = fmaxf(top[h], __shfl_xor_sync(kFullMask, top[h], 2));
-    // (-inf + slack is -inf: a row's first finite scores always move it)
-    const bool moves = top[h] > m[h] + kRescaleSlack;
-    offset[h] = moves ? top[h] : m[h] == -INFINITY ? 0.f : m[h];  // no -inf - -inf
-    alpha[h] = moves ? exp2_approx(m[h] - top[h]) : 1.f;
-    if (moves) m[h] = top[h];
+    offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
+    alpha[h] = exp2_approx(m[h] - offset[h]);
+    m[h] = top[h];
     l[h] *= alpha[h];
   }
   if (masked) {  // (two loops, not a select per score)
