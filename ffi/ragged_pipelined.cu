@@ -8,7 +8,8 @@
 // PipelinedStep); each consumer multiplies its tile's rows by every stage on wgmma,
 // asynchronously: the scores of step n and P V of step n - 1 are issued together, the softmax
 // of step n runs while P V does, and a stage goes back to the producer (named barrier) once its
-// P V is done. Registers move from the producer to the consumers (setmaxnreg). Each consumer
+// P V is done. The two consumers take turns issuing their products (v15), so that one's softmax
+// runs under the other's products. Registers move from the producer to the consumers (setmaxnreg). Each consumer
 // keeps every position of its rows, so it writes them itself (no merge between warps). The
 // file's rules hold, with one widening: a NaN in the V of a position that only rows of
 // consumer 0's (later) tile may see reaches consumer 1's rows too when it lies in the step
