@@ -5,16 +5,16 @@
 // H200 against 355 for the ragged kernel's). Three warpgroups: the producer copies the raw page
 // bytes (the ragged kernel's cp.async ring, 64 positions a ring step) and converts them into
 // one of PipeShape::kStages fp16 K/V stages of kStep positions (64, or 128 when switched so:
-// PipelinedStep); each consumer multiplies its tile's rows by every stage on wgmma,
+// Switches); each consumer multiplies its tile's rows by every stage on wgmma,
 // asynchronously: the scores of step n and P V of step n - 1 are issued together, the softmax
 // of step n runs while P V does, and a stage goes back to the producer (named barrier) once its
-// P V is done. The two consumers take turns issuing their products (v15), so that one's softmax
-// runs under the other's products. Registers move from the producer to the consumers (setmaxnreg). Each consumer
-// keeps every position of its rows, so it writes them itself (no merge between warps). The
-// file's rules hold, with one widening: a NaN in the V of a position that only rows of
-// consumer 0's (later) tile may see reaches consumer 1's rows too when it lies in the step
-// where consumer 1's rows end (through 0 x NaN in P V; the ragged kernel converts such
-// positions as zeros).
+// P V is done. The two consumers take turns issuing their products (v15), so that one's
+// softmax runs under the other's products. Registers move from the producer to the consumers
+// (setmaxnreg). Each consumer keeps every position of its rows, so it writes them itself (no
+// merge between warps). The file's rules hold, with one widening: a NaN in the V of a position
+// that only rows of consumer 0's (later) tile may see reaches consumer 1's rows too when it
+// lies in the step where consumer 1's rows end (through 0 x NaN in P V; the ragged kernel
+// converts such positions as zeros).
 // Launched by the ragged handler (ragged_cuda.cu) before the ragged kernel wherever
 // PipelinedPrefillRuns: on an H200, 1.5x the ragged kernel's speed on long chunks (ragged v9).
 #include <cuda_runtime.h>
@@ -380,30 +380,30 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 #endif
 }
 
-// The developers' switch JAX_NVFP4_RAGGED_PIPELINED in the environment of the process, read
-// once: 0 leaves the long sequences to the ragged kernel (one build then measures and tests
-// both; tests/gpu_checks.sh part ragged-tile), 128 runs the kernel in steps of 128 positions
-// (ragged v10: no faster on an H200, its producer the limit; kept for the producer's next
-// versions, which it would show first), anything else or nothing in steps of 64.
-int PipelinedStep() {
-  static const int step = [] {
-    const char* value = std::getenv("JAX_NVFP4_RAGGED_PIPELINED");
-    if (value == nullptr) return 64;
-    const std::string_view v(value);
-    return v == "0" ? 0 : v == "128" ? 128 : 64;
-  }();
-  return step;
-}
+// The developers' switches in the environment of the process, read once (one build then
+// measures and tests both sides):
+// - JAX_NVFP4_RAGGED_PIPELINED: 0 leaves the long sequences to the ragged kernel
+//   (tests/gpu_checks.sh part ragged-tile), 128 runs the kernel in steps of 128 positions
+//   (ragged v10: no faster on an H200, its producer the limit; kept for the producer's next
+//   versions, which it would show first), anything else or nothing in steps of 64;
+// - JAX_NVFP4_RAGGED_PINGPONG: 0 lets the consumers issue their products whenever their stage
+//   is full (ragged v9 to v14), anything else or nothing makes them take turns (v15).
+struct PipelinedSwitches {
+  int step;
+  bool turns;
+};
 
-// The developers' switch JAX_NVFP4_RAGGED_PINGPONG, read once: 0 lets the consumers issue their
-// products whenever their stage is full (ragged v9 to v14), anything else or nothing makes them
-// take turns (v15).
-bool PipelinedTurns() {
-  static const bool turns = [] {
-    const char* value = std::getenv("JAX_NVFP4_RAGGED_PINGPONG");
-    return value == nullptr || std::string_view(value) != "0";
+const PipelinedSwitches& Switches() {
+  static const PipelinedSwitches switches = [] {
+    const auto value = [](const char* name) {
+      const char* v = std::getenv(name);
+      return v == nullptr ? std::string_view() : std::string_view(v);
+    };
+    const std::string_view step = value("JAX_NVFP4_RAGGED_PIPELINED");
+    return PipelinedSwitches{step == "0" ? 0 : step == "128" ? 128 : 64,
+                             value("JAX_NVFP4_RAGGED_PINGPONG") != "0"};
   }();
-  return turns;
+  return switches;
 }
 
 // Whether the current GPU runs the pipelined prefill kernel in steps of kStep: an sm_90 device,
@@ -461,7 +461,7 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
   PipelinedPrefillKernel<kSwizzle, kLayout, kStep>
       <<<dim3(uint32_t(pair_slots * p->page.num_kv_heads), 1,
               uint32_t(p->stacked * p->num_splits)),
-         kPipeThreads, kSmemBytes, stream>>>(*p, grid, PipelinedTurns());
+         kPipeThreads, kSmemBytes, stream>>>(*p, grid, Switches().turns);
   return cudaGetLastError();
 }
 
@@ -470,7 +470,7 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
 bool WgmmaCodeRuns() { return PipelinedPrefillRuns<true, Layout::kHND, 64>(); }
 
 cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p) {
-  const int step = PipelinedStep();
+  const int step = Switches().step;
   if (p->page.head_size != kPipelinedHead || step == 0) return cudaSuccess;
   return WithPageOptions(p->page, [&](auto swizzle, auto layout) {
     constexpr bool kSwizzle = decltype(swizzle)::value;
