@@ -5,7 +5,7 @@
 # first (TESTING.md has the command). Run from anywhere; it works in the repository root.
 #
 # Each part runs in its own process under `timeout` (its budget); a part's failure does not
-# stop the others; --jobs N runs N parts at a time. One summary line per part goes to stdout and to LOG_DIR/summary.txt; the
+# stop the others. One summary line per part goes to stdout and to LOG_DIR/summary.txt; the
 # parts' logs go to LOG_DIR/logs.tar.gz (each log cut to its first and last 2 MiB there; the
 # whole logs stay in the work folder the summary names). Exit status: 0 when every part
 # passed, 1 when one did not, 2 for a usage error or a machine that cannot run the checks.
@@ -17,13 +17,6 @@ cd "$ROOT" || exit 2
 PYTHON="${PYTHON:-python3}"
 DEFAULT_BUDGET=540          # seconds per part: one device call is limited to 10 minutes
 PROPERTY_EXAMPLES=10        # examples per property test in each round of the long profile
-JOBS=1                      # parts run at a time (--jobs)
-# compute-sanitizer's front end and the sanitized process talk over local TCP ports (by
-# default a range from 49152): each sanitizer part gets its own range, so that parts run at
-# once never share one (seventeenth session: four at once on the default range, 7 of 16
-# sanitized processes died of SIGSEGV in compute-sanitizer; TESTING.md).
-SANITIZER_PORT_BASE=50000
-SANITIZER_PORT_STRIDE=32    # > compute-sanitizer's --max-connections (10)
 SOAK_STEPS=10000
 DRY_RUN=0
 PARTS_ARG="all"
@@ -83,16 +76,12 @@ Options:
   --property-examples N  examples per property test per round (default $PROPERTY_EXAMPLES)
   --soak-steps N      soak steps (default $SOAK_STEPS)
   --python PY         the Python to run (default \$PYTHON or python3)
-  --jobs N            run N parts at a time (default 1): every part then runs without JAX's
-                      preallocation (two preallocating processes cannot share a GPU); each
-                      sanitizer part has its own TCP port range (--port) either way
   --dry-run           print "PART<TAB>BUDGET<TAB>COMMAND" for each selected part; run nothing
   --list              print the part names, one a line
   -h, --help          this text
 
-One device call is limited to 10 minutes: give each call parts whose budgets sum to less
-(divided by --jobs), e.g. --parts suite-gpu,soak then --parts memcheck (TESTING.md has the
-split and times).
+One device call is limited to 10 minutes: give each call parts whose budgets sum to less,
+e.g. --parts suite-gpu,soak then --parts memcheck (TESTING.md has the split and times).
 EOF
 }
 
@@ -109,14 +98,13 @@ while (($#)); do
         -h|--help) usage; exit 0 ;;
         --list) all_parts | tr ' ' '\n'; exit 0 ;;
         --dry-run) DRY_RUN=1 ;;
-        --parts|--budget|--log-dir|--property-examples|--soak-steps|--python|--jobs)
+        --parts|--budget|--log-dir|--property-examples|--soak-steps|--python)
             (($# >= 2)) && [[ "$2" != --* ]] || die_usage "$1 needs a value"
             case "$1" in
                 --parts) PARTS_ARG="$2" ;;
                 --log-dir) LOG_DIR="$2" ;;
                 --python) PYTHON="$2" ;;
                 --property-examples) is_count "$2" || die_usage "--property-examples must be a positive integer, got '$2'"; PROPERTY_EXAMPLES="$2" ;;
-                --jobs) is_count "$2" || die_usage "--jobs must be a positive integer, got '$2'"; JOBS="$2" ;;
                 --soak-steps) is_count "$2" || die_usage "--soak-steps must be a positive integer, got '$2'"; SOAK_STEPS="$2" ;;
                 --budget)
                     if [[ "$2" == *=* ]]; then
@@ -172,22 +160,10 @@ budget_of() {
 # process crashed a few tests in; JAX would otherwise preallocate most of the GPU; XLA's command
 # buffers and autotuning launch work the sanitizers need not see. JAX_NVFP4_SANITIZER tells the
 # tests (tests/test_numerics.py: the 2^32-float self-check runs unsanitized in suite-gpu).
-sanitizer_env() {  # tool part
+sanitizer_env() {
     CMD=(env XLA_PYTHON_CLIENT_PREALLOCATE=false CUDA_MODULE_LOADING=EAGER
          "XLA_FLAGS=--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0"
-         "JAX_NVFP4_SANITIZER=$1" "$SANITIZER" --tool "$1" --error-exitcode 99
-         --port "$(port_of "$2")")
-}
-
-# A part's own port range: from its place among all the parts, so the same whatever --parts
-# selects.
-port_of() {
-    local part index=0
-    for part in $(all_parts); do
-        [[ "$part" == "$1" ]] && break
-        index=$((index + 1))
-    done
-    echo $((SANITIZER_PORT_BASE + SANITIZER_PORT_STRIDE * index))
+         "JAX_NVFP4_SANITIZER=$1" "$SANITIZER" --tool "$1" --error-exitcode 99)
 }
 
 PYTEST=(-P -m pytest -q -p no:cacheprovider)
@@ -208,7 +184,7 @@ command_of() {
                          tests/test_properties.py) ;;
         soak) CMD=("$PYTHON" -P tests/device_soak.py --device gpu --steps "$SOAK_STEPS") ;;
         *)
-            sanitizer_env "$tool" "$part"
+            sanitizer_env "$tool"
             # memcheck crashed the process (rc 139, 0 errors, at a different test each run) under
             # the decode kernel's cluster launches and ran through without them (TESTING.md): its
             # decode group runs with the cluster merge switched off (the merge kernel instead).
@@ -285,7 +261,7 @@ SUMMARY="$LOG_DIR/summary.txt"
 {
     echo "gpu_checks $(date -u +%Y-%m-%dT%H:%M:%SZ) commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" diff --quiet HEAD 2>/dev/null || echo '+changes')"
     echo "$INFO"
-    echo "parts: ${PARTS[*]}; $JOBS at a time; whole logs in $WORK"
+    echo "parts: ${PARTS[*]}; whole logs in $WORK"
 } | tee "$SUMMARY"
 
 # The last pytest result line of a log ("176 passed, 2 skipped in 160.12s"), if any.
@@ -294,10 +270,10 @@ pytest_result() {
         | sed -E 's/^=+ //; s/ =+$//'
 }
 
-# Each part's status also goes to a file of its own: with --jobs a part runs in a subshell.
+FAILED=0
 record() {  # part status seconds details
     printf '%-22s %-7s %5ss  %s\n' "$1" "$2" "$3" "$4" | tee -a "$SUMMARY"
-    echo "$2" > "$WORK/${1/:/-}.status"
+    [[ "$2" == PASS ]] || FAILED=1
 }
 
 status_of() {  # rc -> PASS / TIMEOUT / FAIL
@@ -330,14 +306,13 @@ run_properties() {
         "$rounds rounds passed of $PROPERTY_EXAMPLES examples per test (+ corners), longest round ${longest}s; last: $(pytest_result "$log")"
 }
 
-run_part() {
-    local part="$1" log budget start rc seconds status details counts
+for part in "${PARTS[@]}"; do
     log="$WORK/${part/:/-}.log"
     budget="$(budget_of "$part")"
     echo "### $part (budget ${budget}s) $(date -u +%H:%M:%S)" > "$log"
     if [[ "$part" == properties ]]; then
         run_properties "$log" "$budget"
-        return
+        continue
     fi
     command_of "$part"
     echo "### $(printf '%q ' "${CMD[@]}")" >> "$log"
@@ -362,22 +337,6 @@ run_part() {
         details="$counts; $details"
     fi
     record "$part" "$status" "$seconds" "rc=$rc; ${details:-no result line in the log}"
-}
-
-# Parts at once cannot each preallocate most of the GPU, as JAX does by default.
-((JOBS > 1)) && export XLA_PYTHON_CLIENT_PREALLOCATE=false
-for part in "${PARTS[@]}"; do
-    if ((JOBS > 1)); then
-        while (($(jobs -pr | wc -l) >= JOBS)); do wait -n; done
-        run_part "$part" &
-    else
-        run_part "$part"
-    fi
-done
-wait
-FAILED=0
-for part in "${PARTS[@]}"; do
-    [[ "$(cat "$WORK/${part/:/-}.status" 2>/dev/null)" == PASS ]] || FAILED=1
 done
 
 # Compact logs for LOG_DIR: each cut to its first and last 2 MiB (where the tools' summaries
