@@ -1,7 +1,7 @@
 """What token and channel outliers cost an NVFP4 KV cache, and which remedy removes the cost.
 
     python benchmarks/outlier_bench.py           # the full tables: 6 to 9 minutes on 2 CPU cores
-    python benchmarks/outlier_bench.py --quick   # a smoke run (20 s): small sizes, 4 windows
+    python benchmarks/outlier_bench.py --quick   # a smoke run (20 s): small sizes, one window every 20 files
 
 An NVFP4 value is an E2M1 code (magnitudes 0, 0.5, ..., 6) times an E4M3 block scale (one per 16
 values, largest 448, smallest normal 2**-6, subnormals down to 2**-9) times one float32 global
@@ -609,8 +609,8 @@ def _run(plan, quick, log):
                 synthetic_s=syn_s, wall_s=time.perf_counter() - t_start, markdown=md)
 
 
-SMOKE_NOTE = ("NOTE: --quick: a smoke run (64-token tensors, 3 cases; the model on 4 windows "
-              "of 64 bytes, 3 cases, 5 formats): it checks that the benchmark runs, its numbers "
+SMOKE_NOTE = ("NOTE: --quick: a smoke run (64-token tensors, 3 cases; the model on a window of "
+              "64 bytes from every 20th held-out file, 3 cases, 5 formats): it checks that the benchmark runs, its numbers "
               "are not the measurement.")
 
 

@@ -114,10 +114,21 @@ def test_pallas_k_splits_meet_the_kernels_constraints(bench, candidates):
             assert bench.pallas_k_splits(int(p["pages"].max())) == list(candidates), p["name"]
 
 
+# The GPU Pallas's Triton lowering targets. From jax 0.11 it takes the compute capability from
+# the default device's kind, which here is the CPU (conftest), even on a GPU machine, and
+# refuses to lower ("No supported GPU devices found": the H200, 2026-12-03); an abstract
+# device names one. jax 0.10 ignores it and falls back to compute capability 9.0 itself.
+_ABSTRACT_H200 = jax.sharding.AbstractMesh(
+    (1,), ("lowering",), abstract_device=jax.sharding.AbstractDevice(
+        device_kind="NVIDIA H200", num_cores=None, platform="cuda"))
+
+
 def _lower_for_cuda(fn, *shapes):
-    """StableHLO of fn for a CUDA GPU, lowered on this (CPU) machine: Pallas's asserts and its
-    Triton lowering (the kernel's Triton IR) run; XLA's GPU compiler does not."""
-    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    """StableHLO of fn for a CUDA GPU (an H200), lowered on this (CPU) machine: Pallas's
+    asserts and its Triton lowering (the kernel's Triton IR) run; XLA's GPU compiler does
+    not."""
+    with jax.sharding.use_abstract_mesh(_ABSTRACT_H200):
+        return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _pallas_shapes(bench, point):

@@ -25,7 +25,7 @@ def bench():
     return load_script(BENCH_PATH, "outlier_bench")
 
 
-def test_outlier_bench_quick(tmp_path):
+def test_outlier_bench_quick(tmp_path, bench):
     out = run_on_cpu(BENCH_PATH, "--quick", "--out", tmp_path, time_limit_s=TIME_LIMIT_S).stdout
     assert out.count("NOTE: --quick: a smoke run") == 1 and out.startswith("NOTE: --quick")
     json_path, md_path = tmp_path / "outlier_bench.json", tmp_path / "outlier_bench.md"
@@ -52,7 +52,15 @@ def test_outlier_bench_quick(tmp_path):
         assert rows["token x1e5"]["h1"]["ordinary_error"] < 0.2
         assert rows["token x1e5"]["h1"]["ordinary_zero_share"] < 0.2
     model = result["model"]
-    assert model["windows"] == 4 and model["positions"] == 64
+    # One window from every 20th held-out file: the held-out files are this Python's standard
+    # library, so their count depends on its version (4 windows on 3.11.7, 3 on the GPU
+    # machine's 3.12, 2026-12-03).
+    _, owners = bench.qb.stdlib_corpus.heldout_windows(
+        bench.qb.stdlib_corpus.load_split(heldout=True), bench.qb.train_tiny_lm.EVAL_LENGTH,
+        bench.WINDOWS_PER_FILE)
+    stride = bench.QUICK["model_kwargs"]["file_stride"]
+    assert model["windows"] == len(np.unique(owners)[::stride]) >= 2, model["windows"]
+    assert model["positions"] == 64
     assert set(model["cases"]) == {"none", "sink x1e5", "K channels x100"}
     for case in model["cases"].values():
         summary = case["summary"]
