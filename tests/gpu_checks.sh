@@ -167,6 +167,10 @@ sanitizer_env() {
 }
 
 PYTEST=(-P -m pytest -q -p no:cacheprovider)
+# Sanitized tests verbosely: pytest -v writes a test's name when it starts, so a log that ends
+# in the middle of one names it. compute-sanitizer itself has died (SIGSEGV, no summary, no
+# Python traceback: seventeenth session) where faulthandler cannot say where.
+SANITIZED_PYTEST=(-P -m pytest -v -p no:cacheprovider)
 
 # CMD = the command of one part (one process). The properties part runs it in rounds.
 command_of() {
@@ -194,13 +198,13 @@ command_of() {
             # uninitialized (thousands per group); unfiltered it reports 0 (TESTING.md).
             [[ "$tool" == initcheck ]] || CMD+=(--kernel-name kns=nvfp4)
             case "$group" in
-                store) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${STORE_FILES[@]}") ;;
-                decode) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${DECODE_FILES[@]}") ;;
-                ragged) CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu "${RAGGED_FILES[@]}") ;;
+                store) CMD+=("$PYTHON" "${SANITIZED_PYTEST[@]}" -m gpu "${STORE_FILES[@]}") ;;
+                decode) CMD+=("$PYTHON" "${SANITIZED_PYTEST[@]}" -m gpu "${DECODE_FILES[@]}") ;;
+                ragged) CMD+=("$PYTHON" "${SANITIZED_PYTEST[@]}" -m gpu "${RAGGED_FILES[@]}") ;;
                 # (-X faulthandler: a crash's traceback names the case; pytest turns it on itself)
                 ragged-cases) CMD+=("$PYTHON" -P -X faulthandler tests/ragged_sanitizer_cases.py) ;;
                 rest)
-                    CMD+=("$PYTHON" "${PYTEST[@]}" -m gpu)
+                    CMD+=("$PYTHON" "${SANITIZED_PYTEST[@]}" -m gpu)
                     local f
                     for f in "${STORE_FILES[@]}" "${DECODE_FILES[@]}" "${RAGGED_FILES[@]}"; do
                         CMD+=("--ignore=$f")

@@ -4,7 +4,7 @@ part's log, and a module its tests import).
     python3 tests/sanitizer_log.py LOG
 
 prints one line: ``errors=N summaries=S by_kernel=Kernel:n,...`` (and ``crashed_in=...`` where
-the process died of a fatal signal). N is the sum over the tool's
+the process died of a fatal signal, ``unfinished=...`` where the log ends inside a test). N is the sum over the tool's
 own summary lines (``ERROR SUMMARY: N errors``; racecheck's ``RACECHECK SUMMARY: N hazards
 displayed``), S how many such lines there were (one per sanitized process that finished: 0
 means the process never got to its summary, e.g. it was killed). by_kernel counts the reports
@@ -13,7 +13,10 @@ without ``--kernel-name`` says whether the reports are in this package's kernels
 crashed_in names the test the process died in (file:line:function), from the traceback Python's
 faulthandler prints on a fatal signal (pytest turns it on; gpu_checks.sh runs the sanitizer cases
 script with ``-X faulthandler``): sanitized processes have died with rc 139 and nothing else in
-their logs (TESTING.md).
+their logs (TESTING.md). unfinished names the test a log without a summary ends in: pytest -v
+writes a test's name when it starts and its outcome when it ends, so a name with no outcome
+after it is the test that was running when the log stopped (compute-sanitizer's front end has
+died of SIGSEGV, leaving no Python traceback: TESTING.md, seventeenth session).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ NAME = re.compile(r"([A-Za-z_][\w:]*)\s*[<(]")
 # ("Current thread 0x... (most recent call first):") and its frames, innermost first.
 FATAL = "Fatal Python error"
 FRAME = re.compile(r'^\s+File "(?:[^"]*/)?(tests/[^"/]+\.py)", line (\d+) in (\S+)')
+# pytest -v: "tests/test_x.py::test_y[a] " when a test starts, its outcome when it ends.
+STARTED = re.compile(r"^(tests/[^\s:]+\.py::\S+)", re.MULTILINE)
+OUTCOME = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
 
 
 def kernel_name(frame: str) -> str:
@@ -102,12 +108,22 @@ def crash_site(text: str):
     return (tests or ours or ["?"])[0]
 
 
+def unfinished_test(text: str):
+    """The pytest -v test a log ends in (its name written, no outcome after it), else None."""
+    started = list(STARTED.finditer(text))
+    if not started or OUTCOME.search(text, started[-1].end()):
+        return None
+    return started[-1].group(1)
+
+
 def line(text: str) -> str:
     errors, summaries, by_kernel = summarize(text)
     kernels = ",".join(f"{k}:{n}" for k, n in by_kernel.most_common()) or "-"
     crash = crash_site(text)
+    unfinished = unfinished_test(text) if summaries == 0 and not crash else None
     return (f"errors={errors} summaries={summaries} by_kernel={kernels}"
-            + (f" crashed_in={crash}" if crash else ""))
+            + (f" crashed_in={crash}" if crash else "")
+            + (f" unfinished={unfinished}" if unfinished else ""))
 
 
 if __name__ == "__main__":

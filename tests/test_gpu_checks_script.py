@@ -145,7 +145,8 @@ def test_dry_run_commands():
         if group == "ragged-cases":
             assert program[2:] == ["-X", "faulthandler", "tests/ragged_sanitizer_cases.py"]
             continue
-        assert program[2:8] == ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-m"]
+        # -v: a test's name is written when it starts, so a log cut short names it
+        assert program[2:8] == ["-m", "pytest", "-v", "-p", "no:cacheprovider", "-m"]
         assert program[8] == "gpu", program
         groups.setdefault(tool, {})[group] = program[9:]
     by_part = {p: split_env(a)[1] for p, _, a in rows}
@@ -175,7 +176,9 @@ def test_dry_run_commands():
 
 
 def _collected(argv, env=None):
-    """Node ids pytest collects for a command's pytest arguments (which include -q)."""
+    """Node ids pytest collects for a command's pytest arguments (which include -q, or -v:
+    made -q here, as --collect-only lists node ids only then)."""
+    argv = ["-q" if arg == "-v" else arg for arg in argv]
     done = subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", *argv], capture_output=True, text=True, cwd=ROOT, timeout=300,
                           env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -359,3 +362,32 @@ def test_sanitizer_log_names_where_a_process_crashed():
     assert sanitizer_log.crash_site(no_current) == "tests/test_soak.py:40:worker"
     assert sanitizer_log.crash_site("Fatal Python error: Aborted\n\n") == "?"
     assert sanitizer_log.crash_site(LOG) is None
+
+
+VERBOSE_LOG = """========= COMPUTE-SANITIZER
+============================= test session starts ==============================
+collecting ... collected 14 items / 3 deselected / 11 selected
+
+tests/test_outliers.py::test_gpu_scale_from_amax_is_the_cpus_bit_for_bit[6] PASSED [  9%]
+tests/test_outliers.py::test_gpu_store_kernel_under_a_sink_is_the_reference[4over6] SKIPPED [ 18%]
+tests/test_outliers.py::test_rotation_recipe_through_the_readers[gpu-kernel-ragged] """
+
+
+def test_sanitizer_log_names_the_test_a_log_ends_in():
+    """pytest -v names a test when it starts: a log without a summary that ends after a name
+    with no outcome names the test that was running (compute-sanitizer died, no traceback)."""
+    running = "tests/test_outliers.py::test_rotation_recipe_through_the_readers[gpu-kernel-ragged]"
+    assert sanitizer_log.unfinished_test(VERBOSE_LOG) == running
+    assert sanitizer_log.line(VERBOSE_LOG) == (
+        f"errors=0 summaries=0 by_kernel=- unfinished={running}")
+    # Its outcome written: finished; a summary: the process finished, whatever the log holds.
+    done = VERBOSE_LOG + "PASSED [ 27%]\n"
+    assert sanitizer_log.unfinished_test(done) is None
+    assert "unfinished" not in sanitizer_log.line(done)
+    summed = VERBOSE_LOG + "\n========= ERROR SUMMARY: 0 errors\n"
+    assert sanitizer_log.line(summed) == "errors=0 summaries=1 by_kernel=-"
+    # faulthandler's traceback, where there is one, says more: it wins.
+    both = VERBOSE_LOG + "\n" + CRASH_LOG
+    assert "crashed_in=tests/test_store.py:123:" in sanitizer_log.line(both)
+    assert "unfinished" not in sanitizer_log.line(both)
+    assert sanitizer_log.unfinished_test("") is None and sanitizer_log.unfinished_test(LOG) is None
