@@ -52,7 +52,8 @@ Options:
                         all        every part below
                         suite      suite-gpu, suite-cpu, ragged-tile
                         suite-gpu  pytest -m gpu tests (every GPU test)
-                        suite-cpu  pytest -m "not gpu" tests (the rest, on this machine's CPU)
+                        suite-cpu  pytest -m "not gpu" tests (the rest, on this machine's CPU;
+                                   one process per file, up to 8 at once: tests/pytest_shards.py)
                         ragged-tile  the ragged GPU tests with JAX_NVFP4_RAGGED_PIPELINED=0
                                    (the pipelined prefill kernel off: the ragged kernel's
                                    long-sequence path)
@@ -171,6 +172,8 @@ PYTEST=(-P -m pytest -q -p no:cacheprovider)
 # in the middle of one names it. compute-sanitizer itself has died (SIGSEGV, no summary, no
 # Python traceback: seventeenth session) where faulthandler cannot say where.
 SANITIZED_PYTEST=(-P -m pytest -v -p no:cacheprovider)
+CPU_JOBS="$(nproc 2>/dev/null || echo 1)"
+((CPU_JOBS > 8)) && CPU_JOBS=8  # (the tests' own XLA threads share the cores)
 
 # CMD = the command of one part (one process). The properties part runs it in rounds.
 command_of() {
@@ -178,7 +181,11 @@ command_of() {
     CMD=()
     case "$part" in
         suite-gpu) CMD=("$PYTHON" "${PYTEST[@]}" -m gpu tests) ;;
-        suite-cpu) CMD=("$PYTHON" "${PYTEST[@]}" -m "not gpu" tests) ;;
+        # One pytest process per test file, CPU_JOBS at a time (tests/pytest_shards.py): on
+        # one process the CPU suite outgrew a device call (past 533 s at two thirds, under
+        # other parts' load, seventeenth session; ~19 min on CI's 2 cores).
+        suite-cpu) CMD=("$PYTHON" -P tests/pytest_shards.py --jobs "$CPU_JOBS" "${PYTEST[@]:3}"
+                        -m "not gpu" -- tests) ;;
         # The ragged GPU tests again with the pipelined prefill kernel switched off, so that the
         # ragged kernel's own path for long sequences keeps its GPU tests.
         ragged-tile) CMD=(env JAX_NVFP4_RAGGED_PIPELINED=0 "$PYTHON" "${PYTEST[@]}" -m gpu

@@ -150,6 +150,11 @@ def test_dry_run_commands():
         assert program[8] == "gpu", program
         groups.setdefault(tool, {})[group] = program[9:]
     by_part = {p: split_env(a)[1] for p, _, a in rows}
+    # The CPU suite: one pytest process per file, several at once.
+    cpu = by_part["suite-cpu"]
+    assert cpu[:4] == [sys.executable, "-P", "tests/pytest_shards.py", "--jobs"], cpu
+    assert 1 <= int(cpu[4]) <= 8 and cpu[5:] == [
+        "-q", "-p", "no:cacheprovider", "-m", "not gpu", "--", "tests"], cpu
     assert by_part["soak"][-4:] == ["--device", "gpu", "--steps", "123"]
     env, argv = split_env(dict((p, a) for p, _, a in rows)["ragged-tile"])
     assert env == {"JAX_NVFP4_RAGGED_PIPELINED": "0"}
@@ -289,6 +294,67 @@ def test_run_loop_reports_errors_failures_and_timeouts(tmp_path, fake_machine):
     assert re.match(r"properties +PASS +(\d+)s  (\d+) rounds passed of 10 examples per test "
                     r"\(\+ corners\), longest round \d+s; last: \d+ skipped", props), props
     assert int(props.split()[2].rstrip("s")) <= 60
+
+
+# ----------------------------------------------------------------- the CPU suite's shards
+
+SHARD_TESTS = {
+    "test_one.py": "def test_a():\n    pass\n\ndef test_b():\n    pass\n",
+    "test_two.py": ("import pytest\n\ndef test_fails():\n    assert 1 == 2\n\n"
+                    "@pytest.mark.skip\ndef test_skipped():\n    pass\n\n"
+                    "@pytest.mark.slow\ndef test_deselected():\n    pass\n"),
+    "test_three.py": "import pytest\n\n@pytest.mark.slow\ndef test_only_deselected():\n    pass\n",
+}
+
+
+def _shards(tmp_path, *args, timeout=120):
+    for name, text in SHARD_TESTS.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a marker\n")
+    return subprocess.run([sys.executable, "-P", str(ROOT / "tests" / "pytest_shards.py"), *args],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
+                          env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
+
+
+def test_pytest_shards_sums_the_files_results(tmp_path):
+    """Every file with a selected test runs in a pytest process of its own; the last line
+    sums their result lines in pytest's words (what gpu_checks.sh reads); a failure anywhere
+    fails the whole and is named."""
+    done = _shards(tmp_path, "--jobs", "2", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                   "--", ".")
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "pytest_shards: 2 files, 4 tests, 2 at a time", lines
+    headers = sorted(line.split()[1] for line in lines if line.startswith("### "))
+    assert headers == ["test_one.py", "test_two.py"], lines  # test_three.py: none selected
+    assert re.fullmatch(r"1 failed, 2 passed, 1 skipped, 1 deselected in [\d.]+s", lines[-2])
+    assert lines[-1] == "pytest_shards: not passed: test_two.py (exit 1)"
+    assert "assert 1 == 2" in done.stdout  # the failing file's own report, whole
+    # A selection that passes; and one that runs one file at a time.
+    done = _shards(tmp_path, "--jobs", "1", "-q", "-m", "not slow", "--", "test_one.py")
+    assert done.returncode == 0 and re.fullmatch(r"2 passed in [\d.]+s",
+                                                 done.stdout.splitlines()[-1]), done.stdout
+
+
+def test_pytest_shards_runs_without_preallocation(tmp_path):
+    """Processes side by side cannot each preallocate most of a GPU: the shards run with
+    XLA_PYTHON_CLIENT_PREALLOCATE=false, whatever the caller's environment says."""
+    (tmp_path / "test_env.py").write_text(
+        "import os\n\ndef test_env():\n"
+        "    assert os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'] == 'false'\n")
+    done = _shards(tmp_path, "-q", "--", "test_env.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["-q", "tests"], "'--' must separate"),
+    (["--jobs", "0", "--", "."], "--jobs must be at least 1"),
+    (["-q", "--"], "no paths to collect"),
+    (["-q", "--", "no_such_dir"], "collection failed"),
+])
+def test_pytest_shards_refuses_bad_arguments(tmp_path, args, words):
+    done = _shards(tmp_path, *args)
+    assert done.returncode == 2 and words in done.stderr + done.stdout, done
 
 
 # ----------------------------------------------------------------- sanitizer log summary
