@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# A kernel variant against the tree in one lease of a GPU machine (benchmarks/NOTES.md: a
+# variant is kept only when it measures faster than the default in the same run):
+#
+#   benchmarks/ab.sh --patch benchmarks/variants/X.patch [--rounds 2] -- COMMAND [ARGS...]
+#
+# builds the tree as A (installed as TESTING.md's command does) and the tree with the patches
+# applied as B (beside it: pip install --target AB_DIR/B), then runs COMMAND alternately under A
+# and B (A B A B ... for --rounds rounds), each run under a "== A, round 1" header with its wall
+# time; B's runs have PYTHONPATH=AB_DIR/B, so that `import jax_nvfp4` is B's. The environment
+# passes through to every run (set XLA or JAX_NVFP4 switches before the command). Run from
+# anywhere. --dry-run prints the steps and runs nothing; --check applies the patches to a copy
+# of the tree and stops. Exit status: 0 when both builds and every run succeeded, 1 when one did
+# not, 2 for a usage error or a patch that does not apply.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+PYTHON="${PYTHON:-python3}"
+ARCH=90a-real               # the H200 (sm_90a: the pipelined prefill kernel's wgmma)
+ROUNDS=2
+AB_DIR="${AB_DIR:-/tmp/ab}"
+PATCHES=()
+DRY_RUN=0
+CHECK=0
+
+die_usage() {
+    echo "ab: $*" >&2
+    echo "Usage: benchmarks/ab.sh --patch FILE [--patch FILE]... [--rounds N] [--arch ARCH]" \
+         "[--dry-run | --check] -- COMMAND [ARGS...]" >&2
+    exit 2
+}
+
+while (($#)); do
+    case "$1" in
+        --patch|--rounds|--arch)
+            (($# >= 2)) || die_usage "$1 needs a value"
+            case "$1" in
+                --patch) [[ -f "$2" ]] || die_usage "no patch file '$2'"
+                         PATCHES+=("$(cd "$(dirname "$2")" && pwd)/$(basename "$2")") ;;
+                --rounds) [[ "$2" =~ ^[1-9][0-9]*$ ]] || die_usage "--rounds must be a positive integer, got '$2'"
+                          ROUNDS="$2" ;;
+                --arch) ARCH="$2" ;;
+            esac
+            shift ;;
+        --dry-run) DRY_RUN=1 ;;
+        --check) CHECK=1 ;;
+        --) shift; break ;;
+        *) die_usage "unknown argument '$1' (the command goes after --)" ;;
+    esac
+    shift
+done
+((${#PATCHES[@]})) || die_usage "no --patch: B would be A"
+((CHECK || $#)) || die_usage "no command after --"
+
+PIP=("$PYTHON" -m pip install -q --no-build-isolation --no-deps
+     "--config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHITECTURES=$ARCH")
+
+# The tree without git's folder and build outputs, patched.
+make_b_tree() {
+    rm -rf "$AB_DIR/tree" && mkdir -p "$AB_DIR/tree" || return 2
+    tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude=./.scratch -cf - . \
+        | tar -C "$AB_DIR/tree" -xf - || return 2
+    local patch
+    for patch in "${PATCHES[@]}"; do
+        if ! (cd "$AB_DIR/tree" && git apply "$patch"); then
+            echo "ab: $patch does not apply to the tree" >&2
+            return 2
+        fi
+        echo "ab: applied $patch"
+    done
+}
+
+if ((DRY_RUN)); then
+    echo "build A: ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-a ."
+    echo "tree B: $AB_DIR/tree = this tree + ${PATCHES[*]}"
+    echo "build B: (cd $AB_DIR/tree && ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-b --target $AB_DIR/B .)"
+    for ((round = 1; round <= ROUNDS; ++round)); do
+        echo "run A, round $round: $*"
+        echo "run B, round $round: PYTHONPATH=$AB_DIR/B $*"
+    done
+    exit 0
+fi
+make_b_tree || exit 2
+((CHECK)) && { echo "ab: the patches apply (tree B in $AB_DIR/tree)"; exit 0; }
+
+FAILED=0
+start=$SECONDS
+"${PIP[@]}" "--config-settings=build-dir=$AB_DIR/build-a" . > "$AB_DIR/build-a.log" 2>&1 \
+    || { echo "ab: build A failed ($AB_DIR/build-a.log):"; tail -n 20 "$AB_DIR/build-a.log"; exit 1; }
+echo "ab: built A in $((SECONDS - start)) s"
+start=$SECONDS
+rm -rf "$AB_DIR/B"
+(cd "$AB_DIR/tree" && "${PIP[@]}" "--config-settings=build-dir=$AB_DIR/build-b" \
+    --target "$AB_DIR/B" .) > "$AB_DIR/build-b.log" 2>&1 \
+    || { echo "ab: build B failed ($AB_DIR/build-b.log):"; tail -n 20 "$AB_DIR/build-b.log"; exit 1; }
+echo "ab: built B in $((SECONDS - start)) s"
+
+for ((round = 1; round <= ROUNDS; ++round)); do
+    for side in A B; do
+        echo "== $side, round $round"
+        start=$SECONDS
+        if [[ "$side" == A ]]; then
+            "$@"
+        else
+            PYTHONPATH="$AB_DIR/B${PYTHONPATH:+:$PYTHONPATH}" "$@"
+        fi
+        rc=$?
+        echo "== $side, round $round: exit $rc, $((SECONDS - start)) s"
+        ((rc == 0)) || FAILED=1
+    done
+done
+exit "$FAILED"

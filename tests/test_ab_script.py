@@ -1,0 +1,96 @@
+"""benchmarks/ab.sh without a GPU: its arguments, its dry run, the kernel variants kept in
+benchmarks/variants/ (each must still apply to the tree: a stale one fails here), and its run
+loop with a stand-in for pip (A and B alternate, B's runs import from B's folder, a failing run
+fails the whole)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scripts import ROOT
+
+SCRIPT = ROOT / "benchmarks" / "ab.sh"
+VARIANTS = sorted((ROOT / "benchmarks" / "variants").glob("*.patch"))
+
+
+def run(*args, env=None, timeout=120):
+    return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--", "true"], "no --patch"),
+    (["--patch", "no_such.patch", "--", "true"], "no patch file"),
+    (["--patch", "{variant}"], "no command after --"),
+    (["--patch", "{variant}", "--rounds", "0", "--", "true"], "--rounds must be"),
+    (["--patch", "{variant}", "true"], "unknown argument 'true'"),
+])
+def test_bad_arguments_exit_2_naming_the_problem(args, words):
+    done = run(*(a.format(variant=VARIANTS[0]) for a in args))
+    assert done.returncode == 2 and words in done.stderr, done
+
+
+def test_dry_run_lists_builds_and_alternating_runs(tmp_path):
+    done = run("--patch", VARIANTS[0], "--rounds", "3", "--dry-run", "--", "python3", "-c", "1",
+               env={"AB_DIR": str(tmp_path)})
+    assert done.returncode == 0, done
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("build A: ") and "JAX_NVFP4_CUDA_ARCHITECTURES=90a-real" in lines[0]
+    assert lines[2].startswith("build B: ") and f"--target {tmp_path}/B ." in lines[2]
+    assert [line.split(":")[0] for line in lines[3:]] == [
+        f"run {side}, round {r}" for r in (1, 2, 3) for side in "AB"]
+    assert all(f"PYTHONPATH={tmp_path}/B python3 -c 1" in line for line in lines[4::2])
+    assert not (tmp_path / "tree").exists()  # a dry run touches nothing
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda p: p.name)
+def test_every_kept_variant_applies_to_the_tree(tmp_path, variant):
+    """A variant whose patch no longer applies is stale: update it or remove it (and its
+    NOTES.md entry says what it was)."""
+    done = run("--patch", variant, "--check", env={"AB_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "tree" / "ffi").is_dir() and not (tmp_path / "tree" / ".git").exists()
+
+
+def test_a_patch_that_does_not_apply_exits_2(tmp_path):
+    bad = tmp_path / "bad.patch"
+    bad.write_text(VARIANTS[0].read_text().replace("copy_async_wait", "no_such_line_here"))
+    done = run("--patch", bad, "--check", env={"AB_DIR": str(tmp_path / "ab")})
+    assert done.returncode == 2 and "does not apply" in done.stderr, done
+
+
+FAKE_PYTHON = """#!/bin/bash
+# pip as far as ab.sh calls it: succeeds, and with --target makes the folder.
+if [[ "$1 $2" == "-m pip" ]]; then
+    while (($#)); do [[ "$1" == --target ]] && mkdir -p "$2"; shift; done
+    exit 0
+fi
+exec {python} "$@"
+"""
+
+
+def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    ab = tmp_path / "ab"
+    probe = "import os; print('path=' + (os.environ.get('PYTHONPATH') or '-'))"
+    done = run("--patch", VARIANTS[0], "--", sys.executable, "-c", probe,
+               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": ""})
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs = [line for line in done.stdout.splitlines() if line.startswith(("== ", "path="))]
+    b = f"path={ab}/B"
+    assert runs[::3] == ["== A, round 1", "== B, round 1", "== A, round 2", "== B, round 2"]
+    assert runs[1::3] == ["path=-", b, "path=-", b], runs
+    assert all(line.endswith(" s") and "exit 0" in line for line in runs[2::3]), runs
+    # One failing run fails the whole, and every run still runs.
+    done = run("--patch", VARIANTS[0], "--rounds", "1", "--", "bash", "-c",
+               '[[ -z "${PYTHONPATH:-}" ]]', env={"AB_DIR": str(ab), "PYTHON": str(fake),
+                                                 "PYTHONPATH": ""})
+    assert done.returncode == 1, done
+    assert "== A, round 1: exit 0" in done.stdout and "== B, round 1: exit 1" in done.stdout
