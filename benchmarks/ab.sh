@@ -4,8 +4,9 @@
 #
 #   benchmarks/ab.sh --patch benchmarks/variants/X.patch [--rounds 2] -- COMMAND [ARGS...]
 #
-# builds the tree as A (installed as TESTING.md's command does) and the tree with the patches
-# applied as B (beside it: pip install --target AB_DIR/B), then runs COMMAND alternately under A
+# builds the tree as A (installed as TESTING.md's command does) and a copy of the package's
+# sources (ffi/, jax_nvfp4/, the build files) with the patches applied as B (beside it: pip
+# install --target AB_DIR/B), then runs COMMAND alternately under A
 # and B (A B A B ... for --rounds rounds), each run under a "== A, round 1" header with its wall
 # time; B's runs have PYTHONPATH=AB_DIR/B, so that `import jax_nvfp4` is B's. The environment
 # passes through to every run (set XLA or JAX_NVFP4 switches before the command). Run from
@@ -56,10 +57,12 @@ done
 PIP=("$PYTHON" -m pip install -q --no-build-isolation --no-deps
      "--config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHITECTURES=$ARCH")
 
-# The tree without git's folder and build outputs, patched.
+# What the package is built from (pyproject.toml), patched: B is only built from it (the runs
+# happen here, B imported by PYTHONPATH), so a patch may touch these alone.
+BUILD_INPUTS=(pyproject.toml CMakeLists.txt README.md ffi jax_nvfp4)
 make_b_tree() {
     rm -rf "$AB_DIR/tree" && mkdir -p "$AB_DIR/tree" || return 2
-    tar -C "$ROOT" --exclude=./.git --exclude=./build --exclude=./.scratch -cf - . \
+    tar -C "$ROOT" --exclude=__pycache__ -cf - "${BUILD_INPUTS[@]}" \
         | tar -C "$AB_DIR/tree" -xf - || return 2
     local patch
     for patch in "${PATCHES[@]}"; do
@@ -73,7 +76,7 @@ make_b_tree() {
 
 if ((DRY_RUN)); then
     echo "build A: ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-a ."
-    echo "tree B: $AB_DIR/tree = this tree + ${PATCHES[*]}"
+    echo "tree B: $AB_DIR/tree = this tree's ${BUILD_INPUTS[*]} + ${PATCHES[*]}"
     echo "build B: (cd $AB_DIR/tree && ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-b --target $AB_DIR/B .)"
     for ((round = 1; round <= ROUNDS; ++round)); do
         echo "run A, round $round: $*"
