@@ -5,17 +5,21 @@ machine's CPU cores (the CPU suite takes ~19 min on CI's 2 cores, and a device c
 
     python3 -P tests/pytest_shards.py --jobs 4 -q -p no:cacheprovider -m "not gpu" -- tests
 
-Everything before ``--`` is passed to every pytest process, everything after it names what to
-collect. The files with selected tests are taken largest first (by collected test count) by
-``--jobs`` workers, each running ``pytest OPTIONS FILE`` for one file at a time, so a slow file
-delays one worker only. Each file's output is printed whole when it ends, under a ``### FILE``
-header; the last line sums the files' result lines (``3 failed, 200 passed, ... in 120.52s``),
-then the files that did not pass are listed. Exit status: 0 when every file's pytest exited 0,
-else 1 (2 for a usage or collection error). Terminated (gpu_checks.sh's budget), it prints the
-files still running and exits 124.
+Run it from pytest's rootdir (the repository root): the files are collected, and run, by the
+paths pytest prints. Everything before ``--`` is passed to every pytest process, everything after
+it (folders or files, not test ids) names what to collect. The files with selected tests are
+taken largest first (by collected test count) by ``--jobs`` workers, each running ``pytest
+OPTIONS FILE`` for one file at a time, so a slow file delays one worker only. Each file's output
+is printed whole when it ends, under a ``### FILE`` header. The last line sums the files' result
+lines (``3 failed, 200 passed, 2 warnings in 120.52s``; files whose pytest ended without one,
+e.g. killed by a signal, named after it), preceded by the files that did not pass. Exit status: 0
+when every file's pytest exited 0, else 1; 2 for a usage or collection error. Terminated
+(gpu_checks.sh's budget: SIGTERM), it prints the files still running with the tail of their
+output, the sum so far marked as such, and exits 124.
 
 The pytest processes run without JAX's GPU memory preallocation: several processes that each
-preallocate most of a GPU cannot start side by side.
+preallocate most of a GPU cannot start side by side. A test's ``deselected`` count covers the
+files that ran only (a file with nothing selected does not run).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ import collections
 import concurrent.futures
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -35,9 +41,13 @@ import time
 # rules (-q): the counts and the seconds.
 RESULT = re.compile(r"^=*\s*((?:\d+ [a-z]+(?:, )?)+) in ([\d.]+)s")
 COUNT = re.compile(r"(\d+) ([a-z]+)")
-# pytest's order of the words in its result line.
+# pytest's words, in the order of its result line; "warning" and "error" are the singulars.
 ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warnings",
-         "warning", "errors", "error")
+         "errors")
+PLURAL = {"warning": "warnings", "error": "errors"}
+# Verbosity flags: collection needs -qq's per-file counts whatever the run's verbosity.
+VERBOSITY = re.compile(r"^(?:-[vq]+|--verbose|--quiet)$")
+TAIL_BYTES = 3000  # of a running file's output, printed when terminated
 
 
 def parse_args(argv):
@@ -54,12 +64,15 @@ def parse_args(argv):
         p.error(f"--jobs must be at least 1, got {args.jobs}")
     if not paths:
         p.error("no paths to collect after '--'")
+    if any("::" in path for path in paths):
+        p.error("paths name folders or files, not test ids ('::'): a file runs whole")
     return args.jobs, options, paths
 
 
 def collect(options, paths, env):
     """{file: selected test count}, in pytest's order, from ``--collect-only -qq``."""
-    done = subprocess.run([sys.executable, "-P", "-m", "pytest", *options, "--collect-only",
+    quiet = [o for o in options if not VERBOSITY.match(o)]
+    done = subprocess.run([sys.executable, "-P", "-m", "pytest", *quiet, "--collect-only",
                            "-qq", *paths], capture_output=True, text=True, env=env)
     counts = {}
     for line in done.stdout.splitlines():
@@ -71,68 +84,98 @@ def collect(options, paths, env):
         print(f"pytest_shards: collection failed (pytest exit {done.returncode})",
               file=sys.stderr)
         raise SystemExit(2)
+    missing = [name for name in counts if not os.path.isfile(name)]
+    if missing:
+        print(f"pytest_shards: {missing[0]} (as pytest names it) is not a file here: run from "
+              "pytest's rootdir", file=sys.stderr)
+        raise SystemExit(2)
     return counts
 
 
 def result_counts(output):
-    """The counts of the last pytest result line in ``output`` (empty if there is none)."""
-    counts = collections.Counter()
+    """The counts of the last pytest result line in ``output`` (None if there is none)."""
     for line in reversed(output.splitlines()):
         found = RESULT.match(line.strip())
         if found:
+            counts = collections.Counter()
             for number, word in COUNT.findall(found.group(1)):
-                counts[word] += int(number)
-            break
-    return counts
+                counts[PLURAL.get(word, word)] += int(number)
+            return counts
+    return None
 
 
-def summary_line(counts, seconds):
+def summary_line(counts, seconds, note=""):
+    """pytest's result line for summed counts (its words, its order, its singulars)."""
     words = sorted(counts, key=lambda w: ORDER.index(w) if w in ORDER else len(ORDER))
-    text = ", ".join(f"{counts[w]} {w}" for w in words if counts[w]) or "no tests ran"
-    return f"{text} in {seconds:.2f}s"
+    parts = []
+    for word in words:
+        if counts[word]:
+            singular = {v: k for k, v in PLURAL.items()}.get(word)
+            parts.append(f"{counts[word]} {singular if counts[word] == 1 and singular else word}")
+    return f"{', '.join(parts) or 'no tests ran'} in {seconds:.2f}s{note}"
 
 
 def main(argv=None) -> int:
     jobs, options, paths = parse_args(sys.argv[1:] if argv is None else argv)
-    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    # (unbuffered: a file's output so far is in its log when it is terminated)
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
     counts = collect(options, paths, env)
     files = sorted(counts, key=lambda f: -counts[f])
     print(f"pytest_shards: {len(files)} files, {sum(counts.values())} tests, {jobs} at a time",
           flush=True)
-    running, lock = {}, threading.Lock()
+    work = tempfile.mkdtemp(prefix="pytest_shards-")
+    running = {}  # file -> (process, its output file); changed by the workers only
+    total, failed, no_result = collections.Counter(), [], []
+    lock = threading.Lock()  # the workers' results and prints (not the signal handler's)
 
     def run_file(path):
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "pytest", *options, path],
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=env)
+        log_path = os.path.join(work, path.replace(os.sep, "_") + ".log")
+        with open(log_path, "w+") as log:
+            proc = subprocess.Popen([sys.executable, "-P", "-m", "pytest", *options, path],
+                                    stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+            running[path] = (proc, log_path)
+            code = proc.wait()
+            log.seek(0)
+            output = log.read()
+        del running[path]
+        file_counts = result_counts(output)
         with lock:
-            running[path] = proc
-        output, _ = proc.communicate()
-        with lock:
-            del running[path]
-            print(f"### {path} (exit {proc.returncode})\n{output.rstrip()}", flush=True)
-        return path, proc.returncode, result_counts(output)
+            sys.stdout.write(f"### {path} (exit {code})\n{output.rstrip()}\n")
+            sys.stdout.flush()
+            if file_counts is not None:
+                total.update(file_counts)
+            else:
+                no_result.append(f"{path} (exit {code})")
+            if code != 0:
+                failed.append(f"{path} (exit {code})")
+        return code
 
     def terminated(signum, frame):
-        with lock:
-            names = sorted(running)
-            for proc in running.values():
-                proc.kill()
-        print(f"pytest_shards: terminated with {len(names)} files running: {' '.join(names)}",
-              flush=True)
+        # GNU timeout signals this process and then its group: once is enough.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        now = list(running.items())  # (a copy taken under the GIL: no lock to wait for)
+        for _, (proc, _) in now:
+            proc.kill()
+        for path, (_, log_path) in now:
+            with open(log_path, errors="replace") as log:
+                tail = log.read()[-TAIL_BYTES:]
+            print(f"### {path} (still running when terminated; the tail of its output)\n"
+                  f"{tail.rstrip()}")
+        print(f"pytest_shards: terminated with {len(now)} files running: "
+              f"{' '.join(sorted(p for p, _ in now))}")
+        print(summary_line(total, time.perf_counter() - start,
+                           " (terminated: the files that finished only)"), flush=True)
         os._exit(124)
 
     signal.signal(signal.SIGTERM, terminated)
-    total, failed = collections.Counter(), []
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        for path, code, file_counts in pool.map(run_file, files):
-            total.update(file_counts)
-            if code != 0:
-                failed.append(f"{path} (exit {code})")
-    print(summary_line(total, time.perf_counter() - start))
+        list(pool.map(run_file, files))
     if failed:
         print("pytest_shards: not passed: " + ", ".join(failed))
+    shutil.rmtree(work, ignore_errors=True)
+    note = f" (no result line: {', '.join(no_result)})" if no_result else ""
+    print(summary_line(total, time.perf_counter() - start, note))
     return 1 if failed else 0
 
 

@@ -36,9 +36,16 @@ NAME = re.compile(r"([A-Za-z_][\w:]*)\s*[<(]")
 # ("Current thread 0x... (most recent call first):") and its frames, innermost first.
 FATAL = "Fatal Python error"
 FRAME = re.compile(r'^\s+File "(?:[^"]*/)?(tests/[^"/]+\.py)", line (\d+) in (\S+)')
-# pytest -v: "tests/test_x.py::test_y[a] " when a test starts, its outcome when it ends.
+# pytest -v: "tests/test_x.py::test_y[a] " when a test starts, its outcome when it ends (not
+# compute-sanitizer's "ERROR SUMMARY").
 STARTED = re.compile(r"^(tests/[^\s:]+\.py::\S+)", re.MULTILINE)
-OUTCOME = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b")
+OUTCOME = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b(?! SUMMARY)")
+# The end of pytest's session: its closing sections or its result line. Test names after it
+# (the warnings summary's) are not tests that started.
+SESSION_END = re.compile(
+    r"^=+ (?:warnings summary|FAILURES|ERRORS|short test summary info|PASSES)\b"
+    r"|^=*\s*\d+ (?:passed|failed|skipped|deselected|xfailed|xpassed|warnings?|errors?)\b"
+    r".* in [\d.]+s", re.MULTILINE)
 
 
 def kernel_name(frame: str) -> str:
@@ -109,7 +116,10 @@ def crash_site(text: str):
 
 
 def unfinished_test(text: str):
-    """The pytest -v test a log ends in (its name written, no outcome after it), else None."""
+    """The pytest -v test a log ends in (its name written, no outcome after it, pytest's session
+    not ended), else None."""
+    if SESSION_END.search(text):
+        return None
     started = list(STARTED.finditer(text))
     if not started or OUTCOME.search(text, started[-1].end()):
         return None

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import re
+import pathlib
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 
@@ -304,6 +307,9 @@ SHARD_TESTS = {
                     "@pytest.mark.skip\ndef test_skipped():\n    pass\n\n"
                     "@pytest.mark.slow\ndef test_deselected():\n    pass\n"),
     "test_three.py": "import pytest\n\n@pytest.mark.slow\ndef test_only_deselected():\n    pass\n",
+    "test_warn.py": ("import pytest, warnings\n\n"
+                     + "".join(f"def test_w{i}():\n    warnings.warn('w{i}')\n\n" for i in range(3))
+                     + "@pytest.mark.xfail\ndef test_x():\n    assert False\n"),
 }
 
 
@@ -324,12 +330,18 @@ def test_pytest_shards_sums_the_files_results(tmp_path):
                    "--", ".")
     assert done.returncode == 1, done.stdout + done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == "pytest_shards: 2 files, 4 tests, 2 at a time", lines
+    assert lines[0] == "pytest_shards: 3 files, 8 tests, 2 at a time", lines
     headers = sorted(line.split()[1] for line in lines if line.startswith("### "))
-    assert headers == ["test_one.py", "test_two.py"], lines  # test_three.py: none selected
-    assert re.fullmatch(r"1 failed, 2 passed, 1 skipped, 1 deselected in [\d.]+s", lines[-2])
-    assert lines[-1] == "pytest_shards: not passed: test_two.py (exit 1)"
+    # test_three.py: none selected; warnings and errors summed in pytest's words
+    assert headers == ["test_one.py", "test_two.py", "test_warn.py"], lines
+    assert re.fullmatch(r"1 failed, 5 passed, 1 skipped, 1 deselected, 1 xfailed, 3 warnings "
+                        r"in [\d.]+s", lines[-1]), lines[-1]
+    assert lines[-2] == "pytest_shards: not passed: test_two.py (exit 1)"
     assert "assert 1 == 2" in done.stdout  # the failing file's own report, whole
+    # One worker: the files largest first.
+    done = _shards(tmp_path, "--jobs", "1", "-q", "-m", "not slow", "--", ".")
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.startswith("### ")] == [
+        "test_warn.py", "test_one.py", "test_two.py"], done.stdout  # (not in name order)
     # A selection that passes; and one that runs one file at a time.
     done = _shards(tmp_path, "--jobs", "1", "-q", "-m", "not slow", "--", "test_one.py")
     assert done.returncode == 0 and re.fullmatch(r"2 passed in [\d.]+s",
@@ -346,8 +358,60 @@ def test_pytest_shards_runs_without_preallocation(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_pytest_shards_names_a_file_that_died(tmp_path):
+    """A file whose pytest dies of a signal (no result line) fails the whole, and the summed
+    line says its tests are not in it."""
+    (tmp_path / "test_dies.py").write_text(
+        "import os, signal\n\ndef test_ok():\n    pass\n\n"
+        "def test_dies():\n    os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = _shards(tmp_path, "-q", "--", "test_dies.py", "test_one.py")
+    assert done.returncode == 1, done.stdout + done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert re.fullmatch(r"2 passed in [\d.]+s \(no result line: test_dies.py \(exit -9\)\)",
+                        last), last
+
+
+def test_pytest_shards_terminated_names_the_running_files(tmp_path):
+    """SIGTERM (gpu_checks.sh's budget, twice as GNU timeout sends it): the files still running
+    are killed and named with their output so far, the sum so far is marked, exit 124."""
+    (tmp_path / "test_slow.py").write_text(
+        "import time\n\ndef test_first():\n    print('first done')\n\n"
+        "def test_slow():\n    time.sleep(300)\n")
+    for name, text in SHARD_TESTS.items():
+        (tmp_path / name).write_text(text)
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a marker\n")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-P", str(ROOT / "tests" / "pytest_shards.py"), "--jobs", "2", "-v",
+         "-m", "not slow", "--", "test_slow.py", "test_one.py"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "TMPDIR": str(temp)})
+    def log_of(name):
+        logs = list(temp.glob(f"pytest_shards-*/{name}.log"))
+        return logs[0].read_text() if logs else ""
+
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until test_one.py has finished and test_slow.py runs
+        time.sleep(0.5)
+        if " passed in " in log_of("test_one.py") and "::test_slow" in log_of("test_slow.py"):
+            break
+    time.sleep(1)  # (test_one.py's worker counts it)
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124, out
+    lines = out.splitlines()
+    assert "pytest_shards: terminated with 1 files running: test_slow.py" in lines, out
+    assert "### test_slow.py (still running when terminated; the tail of its output)" in lines
+    assert any(line.startswith("test_slow.py::test_first PASSED") for line in lines), out
+    assert re.fullmatch(r"2 passed in [\d.]+s \(terminated: the files that finished only\)",
+                        lines[-1]), lines[-1]
+
+
 @pytest.mark.parametrize("args, words", [
     (["-q", "tests"], "'--' must separate"),
+    (["-q", "--", "test_one.py::test_a"], "not test ids"),
     (["--jobs", "0", "--", "."], "--jobs must be at least 1"),
     (["-q", "--"], "no paths to collect"),
     (["-q", "--", "no_such_dir"], "collection failed"),
@@ -450,8 +514,16 @@ def test_sanitizer_log_names_the_test_a_log_ends_in():
     done = VERBOSE_LOG + "PASSED [ 27%]\n"
     assert sanitizer_log.unfinished_test(done) is None
     assert "unfinished" not in sanitizer_log.line(done)
-    summed = VERBOSE_LOG + "\n========= ERROR SUMMARY: 0 errors\n"
+    summed = VERBOSE_LOG + "\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors)\n"
     assert sanitizer_log.line(summed) == "errors=0 summaries=1 by_kernel=-"
+    # pytest's session ended (its warnings summary names tests again, its result line follows)
+    # before the sanitizer died: no test was running.
+    ended = (VERBOSE_LOG + "PASSED [ 27%]\n\n=============================== warnings summary "
+             "===============================\n" + VERBOSE_LOG.splitlines()[-1]
+             + "\n  DeprecationWarning: x\n\n========= Error: process didn't terminate "
+             "successfully\n")
+    assert sanitizer_log.unfinished_test(ended) is None
+    assert sanitizer_log.unfinished_test(VERBOSE_LOG + "\n3 passed in 1.20s\n") is None
     # faulthandler's traceback, where there is one, says more: it wins.
     both = VERBOSE_LOG + "\n" + CRASH_LOG
     assert "crashed_in=tests/test_store.py:123:" in sanitizer_log.line(both)
