@@ -10,17 +10,18 @@
 # and B (A B A B ... for --rounds rounds), each run under a "== A, round 1" header with its wall
 # time; B's runs have PYTHONPATH=AB_DIR/B, so that `import jax_nvfp4` is B's. The environment
 # passes through to every run (set XLA or JAX_NVFP4 switches before the command). Run from
-# anywhere. --dry-run prints the steps and runs nothing; --check applies the patches to a copy
-# of the tree and stops. Exit status: 0 when both builds and every run succeeded, 1 when one did
+# anywhere: patch paths are the caller's, the command runs in the repository root. Before the
+# runs it checks that A's runs import jax_nvfp4 from outside AB_DIR and B's from AB_DIR/B.
+# --dry-run prints the steps and runs nothing; --check applies the patches to a copy of the
+# tree and stops. Exit status: 0 when both builds and every run succeeded, 1 when one did
 # not, 2 for a usage error or a patch that does not apply.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT" || exit 2
 PYTHON="${PYTHON:-python3}"
 ARCH=90a-real               # the H200 (sm_90a: the pipelined prefill kernel's wgmma)
 ROUNDS=2
-AB_DIR="${AB_DIR:-/tmp/ab}"
+AB_DIR="$(realpath -m "${AB_DIR:-/tmp/ab}")"  # (absolute: the builds and runs change folder)
 PATCHES=()
 DRY_RUN=0
 CHECK=0
@@ -53,6 +54,7 @@ while (($#)); do
 done
 ((${#PATCHES[@]})) || die_usage "no --patch: B would be A"
 ((CHECK || $#)) || die_usage "no command after --"
+cd "$ROOT" || exit 2
 
 PIP=("$PYTHON" -m pip install -q --no-build-isolation --no-deps
      "--config-settings=cmake.define.JAX_NVFP4_CUDA_ARCHITECTURES=$ARCH")
@@ -61,12 +63,20 @@ PIP=("$PYTHON" -m pip install -q --no-build-isolation --no-deps
 # happen here, B imported by PYTHONPATH), so a patch may touch these alone.
 BUILD_INPUTS=(pyproject.toml CMakeLists.txt README.md ffi jax_nvfp4)
 make_b_tree() {
-    rm -rf "$AB_DIR/tree" && mkdir -p "$AB_DIR/tree" || return 2
+    # (and B's build folder: tar keeps the files' times, so a file an earlier patch changed
+    # would come back older than its object and not be compiled again)
+    rm -rf "$AB_DIR/tree" "$AB_DIR/build-b" && mkdir -p "$AB_DIR/tree" || return 2
     tar -C "$ROOT" --exclude=__pycache__ -cf - "${BUILD_INPUTS[@]}" \
         | tar -C "$AB_DIR/tree" -xf - || return 2
     local patch
     for patch in "${PATCHES[@]}"; do
-        if ! (cd "$AB_DIR/tree" && git apply "$patch"); then
+        # git apply outside any repository (none is found above AB_DIR: inside one it would
+        # skip paths outside the current folder silently); patch(1) where git is missing.
+        if ! (cd "$AB_DIR/tree" && if command -v git > /dev/null; then
+                  GIT_CEILING_DIRECTORIES="$AB_DIR" git apply "$patch"
+              else
+                  patch -p1 --forward --batch --quiet < "$patch"
+              fi); then
             echo "ab: $patch does not apply to the tree" >&2
             return 2
         fi
@@ -98,6 +108,18 @@ rm -rf "$AB_DIR/B"
     --target "$AB_DIR/B" .) > "$AB_DIR/build-b.log" 2>&1 \
     || { echo "ab: build B failed ($AB_DIR/build-b.log):"; tail -n 20 "$AB_DIR/build-b.log"; exit 1; }
 echo "ab: built B in $((SECONDS - start)) s"
+
+# Which jax_nvfp4 each side's runs import (the caller's PYTHONPATH is kept, after B's folder).
+IMPORTED='import jax_nvfp4; print(jax_nvfp4.__file__)'
+a_file="$("$PYTHON" -P -c "$IMPORTED" 2>&1 | tail -n 1)"
+b_file="$(PYTHONPATH="$AB_DIR/B${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -c "$IMPORTED" 2>&1 | tail -n 1)"
+echo "ab: A imports $a_file; B imports $b_file"
+if [[ "$a_file" != /*/jax_nvfp4/__init__.py || "$a_file" == "$AB_DIR"/* ]]; then
+    echo "ab: A's runs do not import the installed build" >&2; exit 1
+fi
+if [[ "$b_file" != "$AB_DIR/B/jax_nvfp4/__init__.py" ]]; then
+    echo "ab: B's runs do not import $AB_DIR/B" >&2; exit 1
+fi
 
 for ((round = 1; round <= ROUNDS; ++round)); do
     for side in A B; do

@@ -120,24 +120,31 @@ def main(argv=None) -> int:
     # (unbuffered: a file's output so far is in its log when it is terminated)
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "PYTHONUNBUFFERED": "1"}
     start = time.perf_counter()
-    counts = collect(options, paths, env)
-    files = sorted(counts, key=lambda f: -counts[f])
-    print(f"pytest_shards: {len(files)} files, {sum(counts.values())} tests, {jobs} at a time",
-          flush=True)
     work = tempfile.mkdtemp(prefix="pytest_shards-")
     running = {}  # file -> (process, its output file); changed by the workers only
     total, failed, no_result = collections.Counter(), [], []
+    # Files whose pytest a SIGTERM ended: GNU timeout signals the whole process group, so the
+    # children may die before this process's handler runs; none starts after.
+    interrupted, stopping = [], threading.Event()
     lock = threading.Lock()  # the workers' results and prints (not the signal handler's)
 
     def run_file(path):
+        if stopping.is_set():
+            return None
         log_path = os.path.join(work, path.replace(os.sep, "_") + ".log")
         with open(log_path, "w+") as log:
             proc = subprocess.Popen([sys.executable, "-P", "-m", "pytest", *options, path],
                                     stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
             running[path] = (proc, log_path)
+            if stopping.is_set():  # (the handler's copy of `running` may have missed it)
+                proc.kill()
             code = proc.wait()
             log.seek(0)
             output = log.read()
+        if code == -signal.SIGTERM:
+            stopping.set()
+            interrupted.append(path)
+            return code  # (left in `running`: the handler prints it as running)
         del running[path]
         file_counts = result_counts(output)
         with lock:
@@ -154,10 +161,11 @@ def main(argv=None) -> int:
     def terminated(signum, frame):
         # GNU timeout signals this process and then its group: once is enough.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stopping.set()
         now = list(running.items())  # (a copy taken under the GIL: no lock to wait for)
         for _, (proc, _) in now:
             proc.kill()
-        for path, (_, log_path) in now:
+        for path, (_, log_path) in sorted(now):
             with open(log_path, errors="replace") as log:
                 tail = log.read()[-TAIL_BYTES:]
             print(f"### {path} (still running when terminated; the tail of its output)\n"
@@ -166,11 +174,22 @@ def main(argv=None) -> int:
               f"{' '.join(sorted(p for p, _ in now))}")
         print(summary_line(total, time.perf_counter() - start,
                            " (terminated: the files that finished only)"), flush=True)
+        shutil.rmtree(work, ignore_errors=True)
         os._exit(124)
 
     signal.signal(signal.SIGTERM, terminated)
+    try:
+        counts = collect(options, paths, env)
+    except SystemExit:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    files = sorted(counts, key=lambda f: -counts[f])
+    print(f"pytest_shards: {len(files)} files, {sum(counts.values())} tests, {jobs} at a time",
+          flush=True)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         list(pool.map(run_file, files))
+    if interrupted:  # (a SIGTERM reached the children only: this process was not signalled)
+        terminated(signal.SIGTERM, None)
     if failed:
         print("pytest_shards: not passed: " + ", ".join(failed))
     shutil.rmtree(work, ignore_errors=True)

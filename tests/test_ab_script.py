@@ -57,6 +57,9 @@ def test_every_kept_variant_applies_to_the_tree(tmp_path, variant):
     tree = tmp_path / "tree"
     assert sorted(p.name for p in tree.iterdir()) == [
         "CMakeLists.txt", "README.md", "ffi", "jax_nvfp4", "pyproject.toml"]  # what B builds
+    # Applied, not only checked: every file the patch names differs from the tree's.
+    named = [line[6:] for line in variant.read_text().splitlines() if line.startswith("+++ b/")]
+    assert named and all((tree / n).read_text() != (ROOT / n).read_text() for n in named)
 
 
 def test_a_patch_that_does_not_apply_exits_2(tmp_path):
@@ -67,9 +70,13 @@ def test_a_patch_that_does_not_apply_exits_2(tmp_path):
 
 
 FAKE_PYTHON = """#!/bin/bash
-# pip as far as ab.sh calls it: succeeds, and with --target makes the folder.
+# pip as far as ab.sh calls it: with --target, a package jax_nvfp4 in that folder (B); without,
+# nothing (A: the package installed here), or a failure where FAKE_A_FAILS is set.
 if [[ "$1 $2" == "-m pip" ]]; then
-    while (($#)); do [[ "$1" == --target ]] && mkdir -p "$2"; shift; done
+    target=""
+    while (($#)); do [[ "$1" == --target ]] && target="$2"; shift; done
+    if [[ -n "$target" ]]; then mkdir -p "$target/jax_nvfp4" && touch "$target/jax_nvfp4/__init__.py"
+    elif [[ -n "${{FAKE_A_FAILS:-}}" ]]; then echo "fake build error"; exit 1; fi
     exit 0
 fi
 exec {python} "$@"
@@ -81,18 +88,44 @@ def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
     ab = tmp_path / "ab"
-    probe = "import os; print('path=' + (os.environ.get('PYTHONPATH') or '-'))"
-    done = run("--patch", VARIANTS[0], "--", sys.executable, "-c", probe,
-               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": ""})
+    probe = ("import os, jax_nvfp4; print('path=' + (os.environ.get('PYTHONPATH') or '-') "
+             "+ ' from=' + os.path.dirname(os.path.dirname(jax_nvfp4.__file__)))")
+    done = run("--patch", VARIANTS[0], "--", sys.executable, "-P", "-c", probe,
+               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": "/no/such/extra"})
     assert done.returncode == 0, done.stdout + done.stderr
     runs = [line for line in done.stdout.splitlines() if line.startswith(("== ", "path="))]
-    b = f"path={ab}/B"
     assert runs[::3] == ["== A, round 1", "== B, round 1", "== A, round 2", "== B, round 2"]
-    assert runs[1::3] == ["path=-", b, "path=-", b], runs
+    a, b = runs[1], runs[4]
+    assert a.startswith("path=/no/such/extra from=") and f"{ab}" not in a, runs
+    assert b == f"path={ab}/B:/no/such/extra from={ab}/B", runs  # B first, the caller's kept
+    assert runs[7] == a and runs[10] == b, runs
     assert all(line.endswith(" s") and "exit 0" in line for line in runs[2::3]), runs
+    assert f"ab: A imports " in done.stdout and f"B imports {ab}/B/jax_nvfp4/__init__.py" in (
+        done.stdout)
     # One failing run fails the whole, and every run still runs.
     done = run("--patch", VARIANTS[0], "--rounds", "1", "--", "bash", "-c",
                '[[ -z "${PYTHONPATH:-}" ]]', env={"AB_DIR": str(ab), "PYTHON": str(fake),
                                                  "PYTHONPATH": ""})
     assert done.returncode == 1, done
     assert "== A, round 1: exit 0" in done.stdout and "== B, round 1: exit 1" in done.stdout
+
+
+def test_a_failed_build_stops_before_any_run(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    done = run("--patch", VARIANTS[0], "--", "true",
+               env={"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"})
+    assert done.returncode == 1 and "ab: build A failed" in done.stdout, done
+    assert "fake build error" in done.stdout and "== A" not in done.stdout
+
+
+def test_relative_ab_dir_and_patch_are_the_callers(tmp_path):
+    """A relative AB_DIR and --patch are taken from the caller's folder, not the repository
+    root the script works in."""
+    (tmp_path / "v.patch").write_text(VARIANTS[0].read_text())
+    done = subprocess.run(["bash", str(SCRIPT), "--patch", "v.patch", "--check"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "AB_DIR": "rel"})
+    assert done.returncode == 0, done
+    assert (tmp_path / "rel" / "tree" / "ffi").is_dir() and not (ROOT / "rel").exists()

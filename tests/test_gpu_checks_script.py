@@ -372,8 +372,9 @@ def test_pytest_shards_names_a_file_that_died(tmp_path):
 
 
 def test_pytest_shards_terminated_names_the_running_files(tmp_path):
-    """SIGTERM (gpu_checks.sh's budget, twice as GNU timeout sends it): the files still running
-    are killed and named with their output so far, the sum so far is marked, exit 124."""
+    """SIGTERM to the whole process group, twice, as GNU timeout sends it (gpu_checks.sh's
+    budget): the files still running are named with their output so far (their pytest may die
+    of it first), no file starts after it, the sum so far is marked, exit 124."""
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_first():\n    print('first done')\n\n"
         "def test_slow():\n    time.sleep(300)\n")
@@ -386,7 +387,7 @@ def test_pytest_shards_terminated_names_the_running_files(tmp_path):
         [sys.executable, "-P", str(ROOT / "tests" / "pytest_shards.py"), "--jobs", "2", "-v",
          "-m", "not slow", "--", "test_slow.py", "test_one.py"],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "TMPDIR": str(temp)})
+        env={**os.environ, "TMPDIR": str(temp)}, start_new_session=True)
     def log_of(name):
         logs = list(temp.glob(f"pytest_shards-*/{name}.log"))
         return logs[0].read_text() if logs else ""
@@ -397,8 +398,9 @@ def test_pytest_shards_terminated_names_the_running_files(tmp_path):
         if " passed in " in log_of("test_one.py") and "::test_slow" in log_of("test_slow.py"):
             break
     time.sleep(1)  # (test_one.py's worker counts it)
-    proc.send_signal(signal.SIGTERM)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
+    time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 124, out
     lines = out.splitlines()
@@ -407,6 +409,34 @@ def test_pytest_shards_terminated_names_the_running_files(tmp_path):
     assert any(line.startswith("test_slow.py::test_first PASSED") for line in lines), out
     assert re.fullmatch(r"2 passed in [\d.]+s \(terminated: the files that finished only\)",
                         lines[-1]), lines[-1]
+    assert not list(temp.iterdir())  # its logs' folder removed
+
+
+def test_pytest_shards_starts_no_file_after_a_sigterm(tmp_path):
+    """The group's SIGTERM kills the running files' pytest before this process's handler runs:
+    the workers must not start the next files meanwhile."""
+    for name in ("test_s1.py", "test_s2.py"):  # the largest: they start first
+        (tmp_path / name).write_text("import time\n\ndef test_x():\n    time.sleep(300)\n\n"
+                                     "def test_y():\n    pass\n")
+    for name in ("test_q1.py", "test_q2.py"):
+        (tmp_path / name).write_text("def test_q():\n    pass\n")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-P", str(ROOT / "tests" / "pytest_shards.py"), "--jobs", "2", "-v",
+         "--", "."], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env={**os.environ, "TMPDIR": str(temp)}, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        time.sleep(0.5)
+        logs = [p.read_text() for p in temp.glob("pytest_shards-*/test_s*.log")]
+        if len(logs) == 2 and all("::test_x" in text for text in logs):
+            break
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 124, out
+    assert "pytest_shards: terminated with 2 files running: test_s1.py test_s2.py" in out, out
+    assert "test_q1.py" not in out and "test_q2.py" not in out, out
 
 
 @pytest.mark.parametrize("args, words", [
