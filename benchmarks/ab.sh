@@ -6,9 +6,8 @@
 #
 # builds the tree as A (installed as TESTING.md's command does) and a copy of the package's
 # sources (ffi/, jax_nvfp4/, the build files) with the patches applied as B (beside it: pip
-# install --target AB_DIR/B), then runs COMMAND alternately under A
-# and B (A B A B ... for --rounds rounds), each run under a "== A, round 1" header with its wall
-# time; B's runs have PYTHONPATH=AB_DIR/B, so that `import jax_nvfp4` is B's. The environment
+# install --target AB_DIR/B), then runs COMMAND alternately under A and B (A B A B ... for
+# --rounds rounds), each run under a "== A, round 1" header with its wall time; B's runs have PYTHONPATH=AB_DIR/B, so that `import jax_nvfp4` is B's. The environment
 # passes through to every run (set XLA or JAX_NVFP4 switches before the command). Run from
 # anywhere: patch paths are the caller's, the command runs in the repository root. Before the
 # runs it checks that A's runs import jax_nvfp4 from outside AB_DIR and B's from AB_DIR/B.
