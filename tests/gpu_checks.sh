@@ -171,7 +171,7 @@ PYTEST=(-P -m pytest -q -p no:cacheprovider)
 # Sanitized tests verbosely: pytest -v writes a test's name when it starts, so a log that ends
 # in the middle of one names it. compute-sanitizer itself has died (SIGSEGV, no summary, no
 # Python traceback: seventeenth session) where faulthandler cannot say where.
-SANITIZED_PYTEST=(-P -m pytest -v -p no:cacheprovider)
+SANITIZED_PYTEST=("${PYTEST[@]/#-q/-v}")
 CPU_JOBS="$(nproc 2>/dev/null || echo 1)"
 ((CPU_JOBS > 8)) && CPU_JOBS=8  # (the tests' own XLA threads share the cores)
 

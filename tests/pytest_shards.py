@@ -45,6 +45,7 @@ COUNT = re.compile(r"(\d+) ([a-z]+)")
 ORDER = ("failed", "passed", "skipped", "deselected", "xfailed", "xpassed", "warnings",
          "errors")
 PLURAL = {"warning": "warnings", "error": "errors"}
+SINGULAR = {plural: singular for singular, plural in PLURAL.items()}
 # Verbosity flags: collection needs -qq's per-file counts whatever the run's verbosity.
 VERBOSITY = re.compile(r"^(?:-[vq]+|--verbose|--quiet)$")
 TAIL_BYTES = 3000  # of a running file's output, printed when terminated
@@ -110,8 +111,8 @@ def summary_line(counts, seconds, note=""):
     parts = []
     for word in words:
         if counts[word]:
-            singular = {v: k for k, v in PLURAL.items()}.get(word)
-            parts.append(f"{counts[word]} {singular if counts[word] == 1 and singular else word}")
+            one = counts[word] == 1 and word in SINGULAR
+            parts.append(f"{counts[word]} {SINGULAR[word] if one else word}")
     return f"{', '.join(parts) or 'no tests ran'} in {seconds:.2f}s{note}"
 
 

@@ -22,8 +22,13 @@ died of SIGSEGV, leaving no Python traceback: TESTING.md, seventeenth session).
 from __future__ import annotations
 
 import collections
+import os
 import re
 import sys
+
+# (its folder, for the shared pytest result-line pattern, also where run as `python3 -P`)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pytest_shards import RESULT  # noqa: E402
 
 PREFIX = "========="
 SUMMARY = re.compile(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:errors?|hazards?)")
@@ -40,12 +45,10 @@ FRAME = re.compile(r'^\s+File "(?:[^"]*/)?(tests/[^"/]+\.py)", line (\d+) in (\S
 # compute-sanitizer's "ERROR SUMMARY").
 STARTED = re.compile(r"^(tests/[^\s:]+\.py::\S+)", re.MULTILINE)
 OUTCOME = re.compile(r"\b(?:PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b(?! SUMMARY)")
-# The end of pytest's session: its closing sections or its result line. Test names after it
-# (the warnings summary's) are not tests that started.
-SESSION_END = re.compile(
-    r"^=+ (?:warnings summary|FAILURES|ERRORS|short test summary info|PASSES)\b"
-    r"|^=*\s*\d+ (?:passed|failed|skipped|deselected|xfailed|xpassed|warnings?|errors?)\b"
-    r".* in [\d.]+s", re.MULTILINE)
+# pytest's closing sections. With its result line (pytest_shards.RESULT) they end its session:
+# test names after them (the warnings summary's) are not tests that started.
+CLOSING = re.compile(r"^=+ (?:warnings summary|FAILURES|ERRORS|short test summary info|PASSES)\b",
+                     re.MULTILINE)
 
 
 def kernel_name(frame: str) -> str:
@@ -118,7 +121,7 @@ def crash_site(text: str):
 def unfinished_test(text: str):
     """The pytest -v test a log ends in (its name written, no outcome after it, pytest's session
     not ended), else None."""
-    if SESSION_END.search(text):
+    if CLOSING.search(text) or any(RESULT.match(l.strip()) for l in text.splitlines()):
         return None
     started = list(STARTED.finditer(text))
     if not started or OUTCOME.search(text, started[-1].end()):

@@ -313,10 +313,14 @@ SHARD_TESTS = {
 }
 
 
-def _shards(tmp_path, *args, timeout=120):
+def _write_shard_tests(folder):
     for name, text in SHARD_TESTS.items():
-        (tmp_path / name).write_text(text)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a marker\n")
+        (folder / name).write_text(text)
+    (folder / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a marker\n")
+
+
+def _shards(tmp_path, *args, timeout=120):
+    _write_shard_tests(tmp_path)
     return subprocess.run([sys.executable, "-P", str(ROOT / "tests" / "pytest_shards.py"), *args],
                           capture_output=True, text=True, cwd=tmp_path, timeout=timeout,
                           env={**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "true"})
@@ -378,9 +382,7 @@ def test_pytest_shards_terminated_names_the_running_files(tmp_path):
     (tmp_path / "test_slow.py").write_text(
         "import time\n\ndef test_first():\n    print('first done')\n\n"
         "def test_slow():\n    time.sleep(300)\n")
-    for name, text in SHARD_TESTS.items():
-        (tmp_path / name).write_text(text)
-    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    slow: a marker\n")
+    _write_shard_tests(tmp_path)
     temp = tmp_path / "temp"
     temp.mkdir()
     proc = subprocess.Popen(
