@@ -7,7 +7,8 @@ sequences of up to 128 tokens (on a GPU: the CUDA store and the decode kernel), 
 lengths passed from NumPy every step. After a warm-up it measures, at the start and at the end:
 the device's bytes in use (``memory_stats()["bytes_in_use"]``, where the backend has it; the
 CPU's has not), the resident set size of the process and ``len(jax.live_arrays())``; and it
-fails when any of them grew past its bound. Every 100th output must be finite and the last one
+fails when any of them grew past its bound, or the resident set grew over the second half of
+the steps (a leak grows steadily; the allocator takes what it keeps early). Every 100th output must be finite and the last one
 must agree with the jnp path run on the CPU over the final cache (a gross check: a cache
 corrupted by a stray write gives errors of the order of the values; the precise bounds are
 tests/test_decode_kernel.py's).
@@ -31,9 +32,16 @@ import sys
 import time
 
 BATCH, HEADS, Q_HEADS, D, BS, PAGES = 4, 2, 8, 64, 16, 8
-#: Host RSS growth allowed from the first measurement to the end (a leak of 1 KiB per call
-#: would be 20 MiB over 10^4 steps of two calls; the CPU runs grew by at most 1.2 MiB).
-MAX_RSS_GROWTH = 8 << 20
+#: Host RSS growth allowed over the second half of the measured steps, from the RSS sample at
+#: its start to the end: the leak criterion. A leak grows steadily (1 KiB per call would be
+#: 9 MiB over the last 4500 steps of 10^4, two calls a step); the allocator's own growth comes
+#: early and stays (TESTING.md, the soak: at most 132 KiB after the first half in every run).
+MAX_RSS_LATE_GROWTH = 2 << 20
+#: Host RSS growth allowed from the first measurement to the end: a gross bound on what the
+#: allocator may take after the warm-up. CI's runs grew by at most 1.2 MiB; the GPU machine's
+#: CPU run (16 cores, jax 0.11.2, eight test processes at once) by 8.5 MiB, in two steps
+#: before step 3600 of 10^4 and 96 KiB after step 5500 (2026-12-03).
+MAX_RSS_GROWTH = 16 << 20
 #: Device bytes in use allowed to grow (the cache is donated and every other buffer of a step
 #: is freed, so after the warm-up the same allocations repeat: expected 0; one leaked output
 #: of a step, 1 KiB here, would be 10 MiB over 10^4 steps).
@@ -161,14 +169,25 @@ def _kib(value):
     return "n/a" if value is None else f"{value / 2**10:.0f} KiB"
 
 
-def verdict(m, max_rss_growth=MAX_RSS_GROWTH, max_device_growth=MAX_DEVICE_GROWTH):
+def rss_late_growth(m):
+    """Host RSS growth over the second half of the measured steps (from the RSS sample taken
+    when half of them had run to the end), or None where the run took fewer than two samples."""
+    trace = m["trace"]
+    return None if len(trace) < 2 else m["rss_after"] - trace[len(trace) // 2 - 1]
+
+
+def verdict(m, max_rss_growth=MAX_RSS_GROWTH, max_device_growth=MAX_DEVICE_GROWTH,
+            max_rss_late_growth=MAX_RSS_LATE_GROWTH):
     """(passed, the summary line) of a soak's measurements."""
     rss_growth = m["rss_after"] - m["rss_before"]
+    late_growth = rss_late_growth(m)
     have_device = m["device_before"] is not None and m["device_after"] is not None
     dev_growth = m["device_after"] - m["device_before"] if have_device else None
     failures = []
     if rss_growth > max_rss_growth:
         failures.append("host RSS grew")
+    if late_growth is not None and late_growth > max_rss_late_growth:
+        failures.append("host RSS grew in the second half")
     if have_device and dev_growth > max_device_growth:
         failures.append("device memory grew")
     if m["live_after"] != m["live_before"]:
@@ -182,7 +201,8 @@ def verdict(m, max_rss_growth=MAX_RSS_GROWTH, max_device_growth=MAX_DEVICE_GROWT
             f"device bytes in use {_kib(m['device_before'])} -> {_kib(m['device_after'])} "
             f"(growth {_kib(dev_growth)}, bound {_kib(max_device_growth)}); host RSS "
             f"{m['rss_before'] / 2**20:.1f} -> {m['rss_after'] / 2**20:.1f} MiB (growth "
-            f"{_kib(rss_growth)}, bound {_kib(max_rss_growth)}); live arrays "
+            f"{_kib(rss_growth)}, bound {_kib(max_rss_growth)}; in the second half "
+            f"{_kib(late_growth)}, bound {_kib(max_rss_late_growth)}); live arrays "
             f"{m['live_before']} -> {m['live_after']}; final error {m['final_error']:.2e}"
             + (f"; failed: {', '.join(failures)}" if failures else ""))
     return not failures, line
@@ -198,6 +218,8 @@ def main(argv=None):
                         help="steps before the first measurement (compilation, allocator)")
     parser.add_argument("--max-rss-growth", type=int, default=MAX_RSS_GROWTH,
                         help="bytes the host RSS may grow")
+    parser.add_argument("--max-rss-late-growth", type=int, default=MAX_RSS_LATE_GROWTH,
+                        help="bytes the host RSS may grow over the second half of the steps")
     parser.add_argument("--max-device-growth", type=int, default=MAX_DEVICE_GROWTH,
                         help="bytes the device's bytes in use may grow")
     parser.add_argument("--json", help="also write the measurements to this file")
@@ -219,7 +241,8 @@ def main(argv=None):
         return 1
     m = soak(device, args.steps, args.warmup)
     m["device"] = str(device)
-    passed, line = verdict(m, args.max_rss_growth, args.max_device_growth)
+    passed, line = verdict(m, args.max_rss_growth, args.max_device_growth,
+                           args.max_rss_late_growth)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(m, f, indent=1)

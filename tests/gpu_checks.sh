@@ -196,10 +196,16 @@ command_of() {
         soak) CMD=("$PYTHON" -P tests/device_soak.py --device gpu --steps "$SOAK_STEPS") ;;
         *)
             sanitizer_env "$tool"
-            # memcheck crashed the process (rc 139, 0 errors, at a different test each run) under
-            # the decode kernel's cluster launches and ran through without them (TESTING.md): its
-            # decode group runs with the cluster merge switched off (the merge kernel instead).
-            [[ "$part" == memcheck:decode ]] && CMD=(env JAX_NVFP4_CLUSTER_MERGE=0 "${CMD[@]:1}")
+            # compute-sanitizer dies now and then (rc 139, no summary, 0 errors) under the decode
+            # kernel's cluster launches: memcheck at a different test of the decode group in
+            # every run until it ran without them; racecheck, synccheck and initcheck in the
+            # store and rest groups, each time in a test whose ragged calls launch the clusters
+            # for their one-token sequences (TESTING.md, seventeenth and eighteenth sessions).
+            # Those parts run with the cluster merge switched off (the merge kernel instead):
+            # the decode and ragged groups keep it sanitized under the other tools.
+            if [[ "$part" == memcheck:decode || "$group" == store || "$group" == rest ]]; then
+                CMD=(env JAX_NVFP4_CLUSTER_MERGE=0 "${CMD[@]:1}")
+            fi
             # initcheck runs unfiltered (every kernel instrumented): with the filter it does not
             # see XLA's kernels write the scalars ours read and reports those reads as
             # uninitialized (thousands per group); unfiltered it reports 0 (TESTING.md).

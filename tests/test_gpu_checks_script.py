@@ -133,7 +133,8 @@ def test_dry_run_commands():
             continue
         tool, group = part.split(":")
         expected = dict(SANITIZER_ENV, JAX_NVFP4_SANITIZER=tool)
-        if part == "memcheck:decode":  # (memcheck crashed under the cluster launches)
+        # (compute-sanitizer crashed under the cluster launches: TESTING.md)
+        if part == "memcheck:decode" or group in ("store", "rest"):
             expected["JAX_NVFP4_CLUSTER_MERGE"] = "0"
         assert env == expected, part
         assert argv[0].endswith("compute-sanitizer") and argv[1:5] == [

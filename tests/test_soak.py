@@ -45,7 +45,6 @@ def test_soak_store_and_read():
     passed, line = device_soak.verdict(m)
     print(line)
     assert m["live_after"] == m["live_before"], m
-    assert m["rss_after"] - m["rss_before"] < MAX_RSS_GROWTH, m
     assert passed, line
 
 
@@ -60,7 +59,8 @@ def test_soak_script_quick_mode_prints_its_summary_line():
     assert len(lines) == 1, done.stdout
     assert re.fullmatch(r"soak: PASS 40 steps measured in [0-9.]+ s \([0-9]+ us/step\); device "
                         r"bytes in use n/a -> n/a \(growth n/a, bound 1024 KiB\); host RSS "
-                        r"[0-9.]+ -> [0-9.]+ MiB \(growth -?[0-9]+ KiB, bound 8192 KiB\); live "
+                        r"[0-9.]+ -> [0-9.]+ MiB \(growth -?[0-9]+ KiB, bound 16384 KiB; in the second half "
+                        r"-?[0-9]+ KiB, bound 2048 KiB\); live "
                         r"arrays ([0-9]+) -> \1; final error [0-9.e+-]+", lines[0]), lines[0]
     # A negative bound cannot hold (growth >= -RSS): the verdict must be able to fail.
     done = subprocess.run([sys.executable, str(script), "--quick", "--max-rss-growth",
@@ -77,6 +77,10 @@ def test_soak_verdict_names_each_failure():
                 final_error=1e-4, finite=True)
     assert device_soak.verdict(good)[0]
     for change, words in [(dict(rss_after=120 << 20), "host RSS grew"),
+                          # 3 MiB over the second half, 15 in all: a steady leak.
+                          (dict(rss_after=115 << 20, trace=[(100 << 20) + (3 * i << 19)
+                                                            for i in range(1, 11)]),
+                           "host RSS grew in the second half"),
                           (dict(device_after=7 << 20), "device memory grew"),
                           (dict(live_after=8), "live arrays changed"),
                           (dict(finite=False), "non-finite output"),
@@ -85,6 +89,12 @@ def test_soak_verdict_names_each_failure():
         assert not passed and line.startswith("soak: FAIL") and words in line, (change, line)
     passed, line = device_soak.verdict(dict(good, device_before=None, device_after=None))
     assert passed and "device bytes in use n/a -> n/a (growth n/a" in line, line
+    assert "in the second half n/a" in line, line  # no RSS samples in `good`
+    # The GPU machine's CPU run (2026-12-03): 8.5 MiB in two early steps, then flat: passes.
+    early = [(100 << 20) + (k << 10) for k in (1224, 7348, 7372, 7372, 8580, 8652, 8664, 8672,
+                                               8676, 8676)]
+    passed, line = device_soak.verdict(dict(good, rss_after=early[-1], trace=early))
+    assert passed and "in the second half 96 KiB" in line, line
 
 
 def test_soak_checked_store_and_read():
@@ -116,6 +126,8 @@ def test_soak_checked_store_and_read():
     growth = device_soak.report("soak, checked store + checked paged_attention", m)
     assert m["live_after"] == m["live_before"], m
     assert growth < MAX_RSS_GROWTH, m
+    late = device_soak.rss_late_growth(m)
+    assert late is None or late < device_soak.MAX_RSS_LATE_GROWTH, m
 
 
 @pytest.mark.parametrize("threads", [4, 8])
