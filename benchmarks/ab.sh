@@ -70,11 +70,12 @@ make_b_tree() {
     local patch
     for patch in "${PATCHES[@]}"; do
         # git apply outside any repository (none is found above AB_DIR: inside one it would
-        # skip paths outside the current folder silently); patch(1) where git is missing.
+        # skip paths outside the current folder silently); patch(1) where git is missing,
+        # without fuzz (by default it ignores a hunk's first and last context lines).
         if ! (cd "$AB_DIR/tree" && if command -v git > /dev/null; then
                   GIT_CEILING_DIRECTORIES="$AB_DIR" git apply "$patch"
               else
-                  patch -p1 --forward --batch --quiet < "$patch"
+                  patch -p1 --forward --batch --quiet --fuzz=0 < "$patch"
               fi); then
             echo "ab: $patch does not apply to the tree" >&2
             return 2

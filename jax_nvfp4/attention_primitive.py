@@ -227,8 +227,8 @@ def _cluster_merge_splits(head_size: int) -> int:
     """Most splits the decode kernel merges inside one thread-block cluster on this GPU (0:
     none, the merge kernel merges them; also where it cannot be asked: no CUDA build, no
     GPU; and under the developers' switch ``JAX_NVFP4_CLUSTER_MERGE=0``, which
-    tests/gpu_checks.sh sets for compute-sanitizer's memcheck: it crashed the process under the
-    cluster launches, TESTING.md)."""
+    tests/gpu_checks.sh sets for memcheck's decode group and for the store and rest groups
+    under every tool: compute-sanitizer crashed under the cluster launches, TESTING.md)."""
     if os.environ.get("JAX_NVFP4_CLUSTER_MERGE") == "0":
         return 0
     return resident_ctas("decode_cluster_merge_splits", head_size, 0)

@@ -202,8 +202,9 @@ command_of() {
             # store and rest groups, in 4 of the 5 crashes whose test is known in a test whose
             # ragged calls launch the clusters for their one-token sequences (TESTING.md,
             # seventeenth and eighteenth sessions).
-            # Those parts run with the cluster merge switched off (the merge kernel instead):
-            # the decode and ragged groups keep it sanitized under the other tools.
+            # Those parts run with the cluster merge switched off (the merge kernel instead): the
+            # decode group keeps it sanitized under the other three tools, the ragged groups
+            # under all four.
             if [[ "$part" == memcheck:decode || "$group" == store || "$group" == rest ]]; then
                 CMD=(env JAX_NVFP4_CLUSTER_MERGE=0 "${CMD[@]:1}")
             fi

@@ -63,12 +63,13 @@ def test_every_kept_variant_applies_to_the_tree(tmp_path, variant):
 
 
 def test_a_patch_that_does_not_apply_exits_2(tmp_path):
-    # A kept variant with the first context line of its first hunk changed to a line the tree
-    # does not have (whatever the variant's code).
+    # A kept variant whose first removed line is one the tree does not have (whatever the
+    # variant's code; a context line would not do: patch(1), ab.sh's fallback without git,
+    # may ignore a hunk's first and last context lines).
     lines = VARIANTS[0].read_text().splitlines(keepends=True)
     first_hunk = next(i for i, line in enumerate(lines) if line.startswith("@@"))
-    context = next(i for i in range(first_hunk + 1, len(lines)) if lines[i].startswith(" "))
-    lines[context] = " no_such_line_here\n"
+    removed = next(i for i in range(first_hunk + 1, len(lines)) if lines[i].startswith("-"))
+    lines[removed] = "-no_such_line_here\n"
     bad = tmp_path / "bad.patch"
     bad.write_text("".join(lines))
     done = run("--patch", bad, "--check", env={"AB_DIR": str(tmp_path / "ab")})
