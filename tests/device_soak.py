@@ -32,8 +32,8 @@ import sys
 import time
 
 BATCH, HEADS, Q_HEADS, D, BS, PAGES = 4, 2, 8, 64, 16, 8
-#: Host RSS growth allowed over the second half of the measured steps, from the RSS sample at
-#: its start to the end: the leak criterion. A leak grows steadily (1 KiB per call would be
+#: Host RSS growth allowed over the second half of the measured steps (rss_late_growth): the
+#: leak criterion. A leak grows steadily (1 KiB per call would be
 #: 9 MiB over the last 4500 steps of 10^4, two calls a step); the allocator's own growth comes
 #: early and stays (TESTING.md, the soak: at most 132 KiB after the first half in every CPU run
 #: recorded there).

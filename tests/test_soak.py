@@ -69,6 +69,10 @@ def test_soak_script_quick_mode_prints_its_summary_line():
     assert "soak: FAIL" in done.stdout and "failed: host RSS grew" in done.stdout, done.stdout
 
 
+# RSS samples of a steady leak: 1.5 MiB every tenth of the run, 7.5 MiB over its second half.
+LEAK_TRACE = [(100 << 20) + (3 * i << 19) for i in range(1, 11)]
+
+
 def test_soak_verdict_names_each_failure():
     """The verdict of made-up measurements: each bound, the live arrays, finiteness and the
     final error fail it on their own; the device line reads n/a where the backend has none."""
@@ -77,9 +81,8 @@ def test_soak_verdict_names_each_failure():
                 final_error=1e-4, finite=True)
     assert device_soak.verdict(good)[0]
     for change, words in [(dict(rss_after=120 << 20), "host RSS grew"),
-                          # 7.5 MiB over the second half, 15 in all: a steady leak.
-                          (dict(rss_after=115 << 20, trace=[(100 << 20) + (3 * i << 19)
-                                                            for i in range(1, 11)]),
+                          # 15 MiB in all (under the total bound), 7.5 in the second half.
+                          (dict(rss_after=115 << 20, trace=LEAK_TRACE),
                            "host RSS grew in the second half"),
                           (dict(device_after=7 << 20), "device memory grew"),
                           (dict(live_after=8), "live arrays changed"),
@@ -91,8 +94,7 @@ def test_soak_verdict_names_each_failure():
     assert passed and "device bytes in use n/a -> n/a (growth n/a" in line, line
     assert "in the second half n/a" in line, line  # no RSS samples in `good`
     # Too few steps for the second-half criterion: not applied.
-    short = dict(good, steps=40, rss_after=115 << 20,
-                 trace=[(100 << 20) + (3 * i << 19) for i in range(1, 11)])
+    short = dict(good, steps=40, rss_after=115 << 20, trace=LEAK_TRACE)
     assert device_soak.rss_late_growth(short) is None and device_soak.verdict(short)[0]
     # The GPU machine's CPU run (2026-12-03): 8.4 MiB up to the middle, then 96 KiB: passes.
     early = [(100 << 20) + (k << 10) for k in (1224, 7348, 7372, 7372, 8580, 8652, 8664, 8672,
@@ -129,9 +131,7 @@ def test_soak_checked_store_and_read():
     m = device_soak.measure(run_step, CHECKED_STEPS, warmup=CHECKED_STEPS // 2)
     growth = device_soak.report("soak, checked store + checked paged_attention", m)
     assert m["live_after"] == m["live_before"], m
-    assert growth < MAX_RSS_GROWTH, m
-    late = device_soak.rss_late_growth(m)
-    assert late is None or late < device_soak.MAX_RSS_LATE_GROWTH, m
+    assert growth < MAX_RSS_GROWTH, m  # (500 measured steps: too few for the second-half bound)
 
 
 @pytest.mark.parametrize("threads", [4, 8])
