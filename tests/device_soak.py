@@ -32,11 +32,13 @@ import sys
 import time
 
 BATCH, HEADS, Q_HEADS, D, BS, PAGES = 4, 2, 8, 64, 16, 8
-#: Host RSS growth allowed over the second half of the measured steps (rss_late_growth): the
-#: leak criterion. A leak grows steadily (1 KiB per call would be
-#: 9 MiB over the last 4500 steps of 10^4, two calls a step); the allocator's own growth comes
-#: early and stays (TESTING.md, the soak: at most 132 KiB after the first half in every CPU run
-#: recorded there).
+#: Host RSS growth allowed over the second half of the measured steps, less its largest rise
+#: between two samples (rss_late_growth): the leak criterion. A leak grows steadily (1 KiB per
+#: call would be 9 MiB over the last 4500 steps of 10^4, two calls a step, 1.8 MiB in each tenth
+#: of the run); the allocator's own growth comes in jumps: on the GPU machine's CPU (16 cores,
+#: eight test processes at once, 2026-12-04) one of 4248 KiB between steps 6400 and 7300 of
+#: 10^4, with 684 KiB in the second half's four other tenths; a run of 4 * 10^4 steps there
+#: grew 1420 KiB, 4 KiB of it in its second half (TESTING.md, the soak).
 MAX_RSS_LATE_GROWTH = 2 << 20
 #: Measured steps below which the second-half criterion does not apply: in a short run the
 #: allocator is still settling (a 40-step run grew 3 MiB in its second half on a loaded CPU).
@@ -174,27 +176,30 @@ def _kib(value):
 
 
 def rss_late_growth(m):
-    """Host RSS growth over the second half of the measured steps, between two samples taken
-    as the steps run (the one when half of them had run, the last; not the final snapshot,
-    whose collection and count add their own), or None for a run of fewer than MIN_LATE_STEPS
-    measured steps or two samples."""
+    """(growth, largest rise) of the host RSS over the second half of the measured steps,
+    between samples taken as the steps run (from the one when half of them had run to the
+    last; not the final snapshot, whose collection and count add their own): the growth and
+    the largest rise between two consecutive samples in it. (None, None) for a run of fewer
+    than MIN_LATE_STEPS measured steps or two samples."""
     trace = m["trace"]
     if m["steps"] < MIN_LATE_STEPS or len(trace) < 2:
-        return None
-    return trace[-1] - trace[len(trace) // 2 - 1]
+        return None, None
+    late = trace[len(trace) // 2 - 1:]
+    return late[-1] - late[0], max(b - a for a, b in zip(late, late[1:]))
 
 
 def verdict(m, max_rss_growth=MAX_RSS_GROWTH, max_device_growth=MAX_DEVICE_GROWTH,
             max_rss_late_growth=MAX_RSS_LATE_GROWTH):
     """(passed, the summary line) of a soak's measurements."""
     rss_growth = m["rss_after"] - m["rss_before"]
-    late_growth = rss_late_growth(m)
+    late_growth, late_jump = rss_late_growth(m)
     have_device = m["device_before"] is not None and m["device_after"] is not None
     dev_growth = m["device_after"] - m["device_before"] if have_device else None
     failures = []
     if rss_growth > max_rss_growth:
         failures.append("host RSS grew")
-    if late_growth is not None and late_growth > max_rss_late_growth:
+    # One rise is the allocator's (a jump; MAX_RSS_LATE_GROWTH), the rest a leak's.
+    if late_growth is not None and late_growth - max(late_jump, 0) > max_rss_late_growth:
         failures.append("host RSS grew in the second half")
     if have_device and dev_growth > max_device_growth:
         failures.append("device memory grew")
@@ -210,7 +215,10 @@ def verdict(m, max_rss_growth=MAX_RSS_GROWTH, max_device_growth=MAX_DEVICE_GROWT
             f"(growth {_kib(dev_growth)}, bound {_kib(max_device_growth)}); host RSS "
             f"{m['rss_before'] / 2**20:.1f} -> {m['rss_after'] / 2**20:.1f} MiB (growth "
             f"{_kib(rss_growth)}, bound {_kib(max_rss_growth)}; in the second half "
-            f"{_kib(late_growth)}, bound {_kib(max_rss_late_growth)}); live arrays "
+            f"{_kib(late_growth)}"
+            + ("" if late_growth is None else f", {_kib(late_jump)} of it in one tenth")
+            + f", bound {_kib(max_rss_late_growth)}"
+            + ("" if late_growth is None else " for the rest") + "); live arrays "
             f"{m['live_before']} -> {m['live_after']}; final error {m['final_error']:.2e}"
             + (f"; failed: {', '.join(failures)}" if failures else ""))
     return not failures, line
@@ -227,7 +235,8 @@ def main(argv=None):
     parser.add_argument("--max-rss-growth", type=int, default=MAX_RSS_GROWTH,
                         help="bytes the host RSS may grow")
     parser.add_argument("--max-rss-late-growth", type=int, default=MAX_RSS_LATE_GROWTH,
-                        help="bytes the host RSS may grow over the second half of the steps")
+                        help="bytes the host RSS may grow over the second half of the steps, "
+                             "less its largest rise between two samples")
     parser.add_argument("--max-device-growth", type=int, default=MAX_DEVICE_GROWTH,
                         help="bytes the device's bytes in use may grow")
     parser.add_argument("--json", help="also write the measurements to this file")
