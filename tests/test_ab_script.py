@@ -63,17 +63,19 @@ def test_every_kept_variant_applies_to_the_tree(tmp_path, variant):
 
 
 def test_a_patch_that_does_not_apply_exits_2(tmp_path):
-    # A kept variant whose first removed line is one the tree does not have (whatever the
-    # variant's code; a context line would not do: patch(1), ab.sh's fallback without git,
-    # may ignore a hunk's first and last context lines).
-    lines = VARIANTS[0].read_text().splitlines(keepends=True)
-    first_hunk = next(i for i, line in enumerate(lines) if line.startswith("@@"))
-    removed = next(i for i in range(first_hunk + 1, len(lines)) if lines[i].startswith("-"))
-    lines[removed] = "-no_such_line_here\n"
-    bad = tmp_path / "bad.patch"
-    bad.write_text("".join(lines))
-    done = run("--patch", bad, "--check", env={"AB_DIR": str(tmp_path / "ab")})
-    assert done.returncode == 2 and "does not apply" in done.stderr, done
+    # A patch whose one hunk removes a line the tree does not have (a context line would not
+    # do: patch(1), ab.sh's fallback without git, may ignore a hunk's first and last context
+    # lines), written here: the kept variants may only add lines.
+    first, *context = (ROOT / "ffi" / "decode_cuda.cu").read_text().splitlines()[:3]
+    for removed, status in [(first, 0), ("no_such_line_here", 2)]:
+        patch = tmp_path / f"{status}.patch"
+        patch.write_text("diff --git a/ffi/decode_cuda.cu b/ffi/decode_cuda.cu\n"
+                         "--- a/ffi/decode_cuda.cu\n+++ b/ffi/decode_cuda.cu\n"
+                         f"@@ -1,3 +1,3 @@\n-{removed}\n+// a line\n"
+                         + "".join(f" {line}\n" for line in context))
+        done = run("--patch", patch, "--check", env={"AB_DIR": str(tmp_path / f"ab{status}")})
+        assert done.returncode == status, done  # the same patch with the tree's line applies
+    assert "does not apply" in done.stderr, done
 
 
 FAKE_PYTHON = """#!/bin/bash
