@@ -229,8 +229,15 @@ if [[ -n "${{FAKE_SLOW:-}}" && "$*" == *"$FAKE_SLOW"* ]]; then exec sleep 300; f
 exec {python} "$@"
 """
 FAKE_SANITIZER = """#!/bin/bash
-# compute-sanitizer's options, then the program; reports FAKE_ERRORS errors.
+# compute-sanitizer's options, then the program; reports FAKE_ERRORS errors. Where FAKE_CRASHES
+# names a file holding a count above 0, it counts one down and dies of SIGSEGV inside a test
+# (compute-sanitizer's own crash: no summary).
 while [[ "$1" == --* ]]; do shift 2; done
+if [[ -n "${FAKE_CRASHES:-}" ]] && (( $(cat "$FAKE_CRASHES") > 0 )); then
+    echo $(( $(cat "$FAKE_CRASHES") - 1 )) > "$FAKE_CRASHES"
+    echo "tests/test_x.py::test_y "
+    kill -SEGV $$
+fi
 "$@"; rc=$?
 echo "========= ERROR SUMMARY: ${FAKE_ERRORS:-0} errors"
 if (( ${FAKE_ERRORS:-0} > 0 )); then exit 99; fi
@@ -269,7 +276,7 @@ def test_run_loop_passes_and_archives_the_logs(tmp_path, fake_machine):
     assert done.returncode == 1, done
     parts = _summary(out / "gpu_checks")
     assert re.match(r"memcheck:ragged-cases +FAIL +\d+s  rc=1; errors=0 summaries=1 "
-                    r"by_kernel=-; ", parts["memcheck:ragged-cases"]), parts
+                    r"by_kernel=-$", parts["memcheck:ragged-cases"]), parts  # (no "worst" line)
     done = run("--parts", "memcheck:store", "--log-dir", str(tmp_path / "logs"),
                env=fake_machine, timeout=300)
     assert done.returncode == 0, done
@@ -298,6 +305,36 @@ def test_run_loop_reports_errors_failures_and_timeouts(tmp_path, fake_machine):
     assert re.match(r"properties +PASS +(\d+)s  (\d+) rounds passed of 10 examples per test "
                     r"\(\+ corners\), longest round \d+s; last: \d+ skipped", props), props
     assert int(props.split()[2].rstrip("s")) <= 60
+
+
+def test_a_sanitizer_crash_is_run_again_and_named(tmp_path, fake_machine):
+    """A sanitizer part whose process dies of a signal with no report runs again (--retries,
+    default 1) in its own log; the summary names the crash and where it died."""
+    crashes = tmp_path / "crashes"
+    crashes.write_text("1")
+    done = run("--parts", "memcheck:decode", "--log-dir", str(tmp_path / "once"),
+               env=dict(fake_machine, FAKE_CRASHES=str(crashes)), timeout=300)
+    assert done.returncode == 0, done
+    line = _summary(tmp_path / "once")["memcheck:decode"]
+    assert re.match(r"memcheck:decode +PASS +\d+s  rc=0; run 1 died: rc=139 after \d+s, errors=0 "
+                    r"summaries=0 by_kernel=- unfinished=tests/test_x.py::test_y; errors=0 "
+                    r"summaries=1 by_kernel=-; \d+ (passed|skipped)", line), line
+    with tarfile.open(tmp_path / "once" / "logs.tar.gz") as tar:
+        assert sorted(n for n in tar.getnames() if n.endswith(".log")) == [
+            "./memcheck-decode.log", "./memcheck-decode.retry1.log"]
+    # Crashing again: no third run; and with --retries 0, none.
+    for retries, runs_left in [("1", "2"), ("0", "1")]:
+        crashes.write_text(runs_left)
+        done = run("--parts", "memcheck:decode", "--retries", retries, "--log-dir",
+                   str(tmp_path / retries), env=dict(fake_machine, FAKE_CRASHES=str(crashes)),
+                   timeout=300)
+        assert done.returncode == 1 and crashes.read_text().strip() == "0", done
+        line = _summary(tmp_path / retries)["memcheck:decode"]
+        died = "run 1 died: rc=139" in line
+        assert re.match(r"memcheck:decode +FAIL +\d+s  rc=139; ", line) and died == (
+            retries == "1"), line
+        assert line.endswith("errors=0 summaries=0 by_kernel=- unfinished=tests/test_x.py::"
+                             "test_y"), line  # (no pytest result line)
 
 
 # ----------------------------------------------------------------- the CPU suite's shards
