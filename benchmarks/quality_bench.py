@@ -402,11 +402,14 @@ def decode_path_logits(cfg, params, windows, kind, scales=None, scale_search="de
         step_scales = tuple((jnp.float32(k), jnp.float32(v)) for k, v in scales)
     else:
         step_scales = tuple(() for _ in range(cfg.layers))
+    for s in seqs:
+        alloc.append_slots(s, length)                   # every step's page, reserved up front
+    tables = jnp.asarray(alloc.block_tables(seqs))
+    seq_lens = jnp.ones(batch, jnp.int32)               # step i stores position i
     out = []
     for i in range(length):
-        slots = np.concatenate([alloc.append_slots(s, 1) for s in seqs])
-        _, logits, caches = step(params, caches, step_scales, jnp.asarray(windows[:, i]),
-                                 slots, alloc.block_tables(seqs), alloc.seq_lens(seqs))
+        (caches, seq_lens), (_, logits) = step(params, caches, step_scales,
+                                               jnp.asarray(windows[:, i]), tables, seq_lens)
         out.append(logits)
     return np.stack([np.asarray(x) for x in out], axis=1)
 

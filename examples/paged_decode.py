@@ -28,7 +28,10 @@ The same model runs twice, with a bf16 paged cache and with the NVFP4 cache:
 
 Then each run decodes with one step function, compiled once with ``jax.jit``, whose per-layer
 caches are donated and updated in place: the new token's K/V are stored, then paged attention
-reads each sequence's pages. Each run's first token comes from its own prefill.
+reads each sequence's pages. Each run's first token comes from its own prefill. The decode
+loop reserves every step's page up front and sends the block tables to the device once; a step
+computes its slots from them and the lengths, and returns the next step's lengths and tokens,
+so nothing crosses from the host while it decodes (as in an engine's device-resident loop).
 
 A speculative-decoding check follows, k = ``--draft-tokens`` (default 4). The draft model is
 the model itself: its drafts are the tokens the NVFP4 decode generated greedily, so all are
@@ -284,18 +287,37 @@ def make_prefill_store(cfg, kind):
     return jax.jit(fn, donate_argnums=0)
 
 
+def decode_slots(block_tables, seq_lens, block_size):
+    """The cache slot of each sequence's newest token (position ``seq_lens - 1``), from its
+    block table on the device: ``block_tables`` must hold that position's page."""
+    pos = seq_lens - 1
+    pages = jnp.take_along_axis(block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
+    return pages * block_size + pos % block_size
+
+
 def make_decode_step(cfg, kind, trace_counter, impl="auto"):
-    """The decode step, compiled once: (params, caches, scales, tokens, slot_mapping,
-    block_tables, seq_lens) -> (next tokens, logits, caches). Caches (argument 1) are donated.
+    """The decode step, compiled once: (params, caches, scales, tokens, block_tables, seq_lens)
+    -> ((caches, seq_lens + 1), (next tokens, logits)): the loop's state, then its outputs.
+
+    ``seq_lens`` counts each sequence's tokens including the one this step stores (at position
+    ``seq_lens - 1``, in the slot ``decode_slots`` reads from ``block_tables``, whose pages the
+    caller reserved ahead). Caches (argument 1) and seq_lens (argument 5) are donated, and a
+    decode loop feeds each step the previous step's tokens and seq_lens with the same block
+    tables: nothing crosses from the host per step, and the custom calls' operands keep their
+    device addresses from step to step (XLA records an FFI call into its command buffer again
+    whenever one of its buffers moved: benchmarks/NOTES.md, "The example's decode step").
+    (The state comes first: JAX gives a donated buffer to the first output of its shape and
+    type, and seq_lens must go to seq_lens + 1, not to the tokens.)
 
     ``trace_counter[kind]`` counts how often JAX traces it (once, if nothing recompiles).
     ``impl`` is the NVFP4 reader's (``paged_attention(impl=...)``): ``"auto"`` runs the fused
     CUDA kernel on a GPU and the jnp path elsewhere.
     """
 
-    def step(params, caches, scales, tokens, slot_mapping, block_tables, seq_lens):
+    def step(params, caches, scales, tokens, block_tables, seq_lens):
         trace_counter[kind] += 1
         positions = seq_lens - 1                        # the new token's position
+        slot_mapping = decode_slots(block_tables, seq_lens, cfg.block_size)
         x = params["embed"][tokens]                     # [B, d]
         new_caches = []
         for layer, cache, scale in zip(params["layers"], caches, scales):
@@ -310,9 +332,10 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
             x = x + attn.reshape(x.shape[0], -1) @ layer["wo"]
             x = x + mlp_block(layer, x)
         logits = logits_of(params, x)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, tuple(new_caches)
+        tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return (tuple(new_caches), seq_lens + 1), (tokens, logits)
 
-    return jax.jit(step, donate_argnums=1)
+    return jax.jit(step, donate_argnums=(1, 5))
 
 
 def make_ragged_step(cfg, trace_counter, impl="auto", max_q_len=None, name="ragged"):
@@ -586,6 +609,12 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
     tokens = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)   # first generated token
     generated, all_logits = [tokens], []
     donated = None
+    # Every step's page reserved up front (an engine reserves for its length limit), so the
+    # block tables stay the same and go to the device once, with the first step's lengths.
+    for s in seqs:
+        alloc.append_slots(s, cfg.steps)
+    tables = jnp.asarray(alloc.block_tables(seqs))
+    seq_lens = jnp.asarray(alloc.seq_lens(seqs) - cfg.steps + 1)
     jax.block_until_ready(caches)
     stage(cfg, f"{kind}: compiling the decode step (its first call)")
     progress = Progress(cfg.steps, f"{kind}: decode steps", cfg.progress)
@@ -594,10 +623,9 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
     for i in range(cfg.steps):
         if forced_tokens is not None:
             tokens = jnp.asarray(forced_tokens[:, i])
-        slots = np.concatenate([alloc.append_slots(s, 1) for s in seqs])
         old = caches
-        tokens, logits, caches = step(params, caches, step_scales, tokens, slots,
-                                      alloc.block_tables(seqs), alloc.seq_lens(seqs))
+        (caches, seq_lens), (tokens, logits) = step(params, caches, step_scales, tokens, tables,
+                                                    seq_lens)
         if i == 0:
             jax.block_until_ready(tokens)
             t_first = time.perf_counter() - t0
@@ -612,8 +640,7 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
     progress.close()
 
     # How the step compiled: donated caches show up as input/output aliases in the HLO.
-    args = (params, caches, step_scales, tokens, slots, alloc.block_tables(seqs),
-            alloc.seq_lens(seqs))
+    args = (params, caches, step_scales, tokens, tables, seq_lens)
     traces = trace_counter[kind]
     hlo = step.lower(*args).compile().as_text()
     header = hlo.split("\n", 1)[0]
@@ -966,7 +993,8 @@ def report(cfg, r):
         print(f"{k:>5}: first step incl. compile {r['first_step_s'][k]:.2f} s, cache "
               f"{r['cache_bytes'][k]:,} bytes, step traced {r['traces'][k]}x, jit cache entries "
               f"{r['jit_cache_size'][k]}, caches donated {r['caches_donated'][k]}, aliased "
-              f"outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k]}, cache copies in "
+              f"outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k] + 1} (the caches' "
+              f"and seq_lens), cache copies in "
               f"HLO {r['hlo_cache_copies'][k]}")
     c = r["chunked_prefill"]
     print(f"prefill: bf16 run dense (the prompts' K/V stored at once: a bf16 cache has no "
@@ -1147,14 +1175,17 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     step = make_decode_step(cfg, kind, {kind: 0}, impl=impl)
     tokens = jax.random.randint(jax.random.PRNGKey(cfg.seed + 3), (cfg.batch,), 0, cfg.vocab,
                                 jnp.int32)
+    # On the device before timing: the block tables (every step's page in them) and the first
+    # step's lengths; each step returns the next step's (its slots follow from the two).
     tables_d = jnp.asarray(tables)
-    slots_d = [jnp.asarray(x) for x in slots]           # on the device before timing
-    lens_d = [jnp.asarray(x) for x in lens]
+    lens_d = jnp.asarray(lens[0])
+    planned = jax.vmap(lambda n: decode_slots(tables_d, n, cfg.block_size))(jnp.asarray(lens))
+    if not np.array_equal(np.asarray(planned), slots):
+        raise AssertionError("the plan's slots are not its block tables' at its lengths")
 
     stage(cfg, f"{label}: compiling the decode step")
     t0 = time.perf_counter()
-    compiled = step.lower(params, caches, scales, tokens, slots_d[0], tables_d,
-                          lens_d[0]).compile()
+    compiled = step.lower(params, caches, scales, tokens, tables_d, lens_d).compile()
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
     kernel_calls = hlo.count(f'custom_call_target="{_DECODE_TARGET}"')
@@ -1162,15 +1193,14 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
 
     # Step 0 (warm-up): checks donation and keeps its logits (the same in every NVFP4 run).
     old = caches
-    tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[0], tables_d,
-                                      lens_d[0])
+    (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens, tables_d, lens_d)
     first_logits = np.asarray(logits)
     donated = all(x.is_deleted() for x in jax.tree.leaves(old))
     del old
     i = 1
     for _ in range(cfg.warmup - 1):
-        tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[i], tables_d,
-                                          lens_d[i])
+        (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens, tables_d,
+                                                      lens_d)
         i += 1
     jax.block_until_ready((tokens, logits, caches))
 
@@ -1180,8 +1210,8 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
         attended.append(lens[i:i + cfg.steps].sum(dtype=np.int64))
         t0 = time.perf_counter()
         for _ in range(cfg.steps):
-            tokens, logits, caches = compiled(params, caches, scales, tokens, slots_d[i],
-                                              tables_d, lens_d[i])
+            (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens,
+                                                          tables_d, lens_d)
             i += 1
         jax.block_until_ready((tokens, logits, caches))
         times.append((time.perf_counter() - t0) / cfg.steps)

@@ -141,9 +141,9 @@ def test_caches_donated_and_updated_in_place(results):
     # The arrays passed in were deleted by the first step (donated to XLA) ...
     assert results["caches_donated"] == {"bf16": True, "nvfp4": True}
     # ... every cache buffer is an input/output alias of the compiled step (2 layers: one NVFP4
-    # array each, a K and a V array each for bf16) ...
+    # array each, a K and a V array each for bf16), and so are the donated seq_lens ...
     assert results["cache_leaves"] == {"bf16": 4, "nvfp4": 2}
-    assert results["hlo_aliased_outputs"] == results["cache_leaves"]
+    assert results["hlo_aliased_outputs"] == {"bf16": 5, "nvfp4": 3}
     # ... and no copy of a cache-shaped array appears in the HLO (without donation the NVFP4
     # step has one copy of the cache per layer before the aliased store).
     assert results["hlo_cache_copies"] == {"bf16": 0, "nvfp4": 0}
@@ -163,12 +163,15 @@ def test_nvfp4_step_hlo_in_place(example):
     step = example.make_decode_step(cfg, "nvfp4", {"nvfp4": 0})
     batch = cfg.batch
     hlo = step.lower(params, caches, scales, jnp.zeros(batch, jnp.int32),
-                     jnp.arange(batch, dtype=jnp.int32), jnp.zeros((batch, max_blocks), jnp.int32),
+                     jnp.zeros((batch, max_blocks), jnp.int32),
                      jnp.ones(batch, jnp.int32)).compile().as_text()
-    # Outputs (tokens, logits, cache_0, ..., cache_{L-1}); parameters: params' leaves, caches.
+    # Outputs (cache_0, ..., cache_{L-1}, seq_lens + 1, tokens, logits); parameters: params'
+    # leaves, the caches, scales' leaves, tokens, block_tables, seq_lens (donated too).
     first = len(jax.tree.leaves(params))
-    hc.assert_in_place(hlo, caches[0].shape, num_stores=cfg.layers,
-                       aliases={(2 + l,): first + l for l in range(cfg.layers)},
+    lens_param = first + cfg.layers + len(jax.tree.leaves(scales)) + 2
+    aliases = {(l,): first + l for l in range(cfg.layers)}
+    aliases[(cfg.layers,)] = lens_param
+    hc.assert_in_place(hlo, caches[0].shape, num_stores=cfg.layers, aliases=aliases,
                        cache_shapes=[caches[0].shape])
 
 
