@@ -918,9 +918,10 @@ def _reader_note(cfg, platform):
         if cfg.random_weights:
             return note
         # Profiled on an H200 (benchmarks/RESULTS.md, "The example on the H200"): the trained
-        # model's NVFP4 step takes ~0.7x the bf16 step's device time; both steps' wall time is
+        # model's NVFP4 step takes ~0.7x the bf16 step's device time; both steps' wall time was
         # the host's (dispatch, the step's input transfers, XLA's command-buffer updates, which
-        # cost more for the NVFP4 step's custom calls).
+        # cost more for the NVFP4 step's custom calls). The loop has kept its inputs on the
+        # device since (no transfers a step, stable buffers): not measured there yet.
         return (note + "; a step of a model this small is bound by the host, not by the "
                 "cache: see --long-context and benchmarks/")
     return (f"  on {platform} the NVFP4 reader is the jnp path (it dequantises the pages it "
