@@ -71,7 +71,9 @@ def describe(t, verbose):
           f"{span / 1e3:.2f} us; starts spread {np.ptp(ns[:, ENTRY]) / 1e3:.2f} us")
     deltas = np.diff(np.unique(t[:, :EVENTS][t[:, :EVENTS] > 0]))
     print(f"  smallest nonzero step of the global timer seen: {deltas[deltas > 0].min()} ns")
-    cyc = t[:, EVENTS + END] - t[:, EVENTS + ENTRY]
+    ended = t[:, END] != 0                     # (not the CTAs that returned early)
+    print(f"  {int((~ended).sum())} CTAs returned early (no end event)")
+    cyc = (t[:, EVENTS + END] - t[:, EVENTS + ENTRY])[ended]
     print(f"  CTA lifetimes (clock64): median {np.median(cyc):.0f}, min {cyc.min()}, "
           f"max {cyc.max()} cycles")
     waits, spreads_start, spreads_merge = [], [], []
@@ -79,7 +81,8 @@ def describe(t, verbose):
         rows = sorted(rows, key=lambda i: by[i])
         starts, merged, synced = ns[rows, ENTRY], ns[rows, MERGED], ns[rows, SYNCED]
         spreads_start.append(np.ptp(starts))
-        spreads_merge.append(np.ptp(merged))
+        if (merged >= 0).all():
+            spreads_merge.append(np.ptp(merged))
         if (synced >= 0).all():
             waits.extend((synced - merged).tolist())
         if verbose:
@@ -90,14 +93,20 @@ def describe(t, verbose):
                       f"{ns[i, MERGED] / 1e3:6.2f} synced {ns[i, SYNCED] / 1e3:6.2f} end "
                       f"{ns[i, END] / 1e3:6.2f} us")
     print(f"  per unit: starts spread median {statistics.median(spreads_start) / 1e3:.2f} us "
-          f"(max {max(spreads_start) / 1e3:.2f}); merges spread median "
-          f"{statistics.median(spreads_merge) / 1e3:.2f} us (max {max(spreads_merge) / 1e3:.2f})")
+          f"(max {max(spreads_start) / 1e3:.2f})")
+    if spreads_merge:
+        print(f"  per unit whose CTAs all merged: merges spread median "
+              f"{statistics.median(spreads_merge) / 1e3:.2f} us "
+              f"(max {max(spreads_merge) / 1e3:.2f})")
     if waits:
         print(f"  wait at the first cluster barrier (synced - merged): median "
               f"{statistics.median(waits) / 1e3:.2f} us, max {max(waits) / 1e3:.2f} us")
-    first_chunk = ns[:, CHUNKS:CHUNKS + WARPS].max(axis=1) - ns[:, ENTRY]
-    print(f"  start to the last warp's chunks done: median {np.median(first_chunk) / 1e3:.2f} "
-          f"us, min {first_chunk.min() / 1e3:.2f}, max {first_chunk.max() / 1e3:.2f}")
+    chunked = (ns[:, CHUNKS:CHUNKS + WARPS] >= 0).all(axis=1)
+    if chunked.any():
+        done = (ns[:, CHUNKS:CHUNKS + WARPS].max(axis=1) - ns[:, ENTRY])[chunked]
+        print(f"  start to the last warp's chunks done ({int(chunked.sum())} CTAs with chunks): "
+              f"median {np.median(done) / 1e3:.2f} us, min {done.min() / 1e3:.2f}, max "
+              f"{done.max() / 1e3:.2f}")
 
 
 def main(argv=None):

@@ -114,7 +114,7 @@ while (($#)); do
                 --python) PYTHON="$2" ;;
                 --property-examples) is_count "$2" || die_usage "--property-examples must be a positive integer, got '$2'"; PROPERTY_EXAMPLES="$2" ;;
                 --soak-steps) is_count "$2" || die_usage "--soak-steps must be a positive integer, got '$2'"; SOAK_STEPS="$2" ;;
-                --retries) [[ "$2" =~ ^[0-9]+$ ]] || die_usage "--retries must be a count (0 or more), got '$2'"; RETRIES="$2" ;;
+                --retries) [[ "$2" =~ ^(0|[1-9][0-9]*)$ ]] || die_usage "--retries must be a count (0 or more), got '$2'"; RETRIES="$2" ;;
                 --budget)
                     if [[ "$2" == *=* ]]; then
                         is_count "${2#*=}" || die_usage "--budget ${2%%=*}= needs a positive number of seconds, got '${2#*=}'"
@@ -352,7 +352,13 @@ for part in "${PARTS[@]}"; do
         fi
         echo "### $(printf '%q ' "${CMD[@]}")" >> "$log"
         run_start=$SECONDS
-        timeout -k 30 "$((budget - (SECONDS - start)))" "${CMD[@]}" >> "$log" 2>&1
+        left=$((budget - (SECONDS - start)))
+        if ((left < 1)); then  # (a run again whose budget went to reading the last log)
+            echo "### no budget left" >> "$log"
+            rc=124
+            break
+        fi
+        timeout -k 30 "$left" "${CMD[@]}" >> "$log" 2>&1
         rc=$?
         # Died of a signal (not the timeout's: 124, 137) with no report and no summary from the
         # tool: compute-sanitizer's own crash (TESTING.md), not a finding. Run it again.

@@ -92,6 +92,8 @@ def test_help_and_list_name_every_part():
     (["--budget", "initcheck-all=60"], "--budget names an unknown part 'initcheck-all'"),
     (["--soak-steps", "1e4"], "--soak-steps must be a positive integer"),
     (["--property-examples", "0"], "--property-examples must be a positive integer"),
+    (["--retries", "-1"], "--retries must be a count (0 or more), got '-1'"),
+    (["--retries", "08"], "--retries must be a count"),  # (bash would read it as octal)
     (["--log-dir"], "--log-dir needs a value"),
     (["--log-dir", "--parts", "soak"], "--log-dir needs a value"),
     (["--frobnicate"], "unknown argument '--frobnicate'"),
