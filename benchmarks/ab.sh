@@ -12,7 +12,9 @@
 # anywhere: patch paths are the caller's, the command runs in the repository root. Before the
 # runs it checks that A's runs import jax_nvfp4 from outside AB_DIR and B's from AB_DIR/B.
 # --dry-run prints the steps and runs nothing; --check applies the patches to a copy of the
-# tree and stops. Exit status: 0 when both builds and every run succeeded, 1 when one did
+# tree and stops. --a installed takes the jax_nvfp4 already installed as A (no build: the tree
+# was installed by TESTING.md's command in the same lease); --a none runs B alone (a variant
+# that instruments, whose command A cannot run). Exit status: 0 when both builds and every run succeeded, 1 when one did
 # not, 2 for a usage error or a patch that does not apply.
 set -uo pipefail
 
@@ -24,17 +26,18 @@ AB_DIR="$(realpath -m "${AB_DIR:-/tmp/ab}")"  # (absolute: the builds and runs c
 PATCHES=()
 DRY_RUN=0
 CHECK=0
+A_MODE=build                # build | installed | none
 
 die_usage() {
     echo "ab: $*" >&2
     echo "Usage: benchmarks/ab.sh --patch FILE [--patch FILE]... [--rounds N] [--arch ARCH]" \
-         "[--dry-run | --check] -- COMMAND [ARGS...]" >&2
+         "[--a build|installed|none] [--dry-run | --check] -- COMMAND [ARGS...]" >&2
     exit 2
 }
 
 while (($#)); do
     case "$1" in
-        --patch|--rounds|--arch)
+        --patch|--rounds|--arch|--a)
             (($# >= 2)) || die_usage "$1 needs a value"
             case "$1" in
                 --patch) [[ -f "$2" ]] || die_usage "no patch file '$2'"
@@ -42,6 +45,8 @@ while (($#)); do
                 --rounds) [[ "$2" =~ ^[1-9][0-9]*$ ]] || die_usage "--rounds must be a positive integer, got '$2'"
                           ROUNDS="$2" ;;
                 --arch) ARCH="$2" ;;
+                --a) [[ "$2" =~ ^(build|installed|none)$ ]] || die_usage "--a must be build, installed or none, got '$2'"
+                     A_MODE="$2" ;;
             esac
             shift ;;
         --dry-run) DRY_RUN=1 ;;
@@ -84,12 +89,18 @@ make_b_tree() {
     done
 }
 
+SIDES=(A B)
+[[ "$A_MODE" == none ]] && SIDES=(B)
 if ((DRY_RUN)); then
-    echo "build A: ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-a ."
+    case "$A_MODE" in
+        build) echo "build A: ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-a ." ;;
+        installed) echo "build A: none (A is the jax_nvfp4 installed)" ;;
+        none) echo "build A: none (no A runs)" ;;
+    esac
     echo "tree B: $AB_DIR/tree = this tree's ${BUILD_INPUTS[*]} + ${PATCHES[*]}"
     echo "build B: (cd $AB_DIR/tree && ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-b --target $AB_DIR/B .)"
     for ((round = 1; round <= ROUNDS; ++round)); do
-        echo "run A, round $round: $*"
+        [[ "$A_MODE" == none ]] || echo "run A, round $round: $*"
         echo "run B, round $round: PYTHONPATH=$AB_DIR/B $*"
     done
     exit 0
@@ -99,9 +110,11 @@ make_b_tree || exit 2
 
 FAILED=0
 start=$SECONDS
-"${PIP[@]}" "--config-settings=build-dir=$AB_DIR/build-a" . > "$AB_DIR/build-a.log" 2>&1 \
-    || { echo "ab: build A failed ($AB_DIR/build-a.log):"; tail -n 20 "$AB_DIR/build-a.log"; exit 1; }
-echo "ab: built A in $((SECONDS - start)) s"
+if [[ "$A_MODE" == build ]]; then
+    "${PIP[@]}" "--config-settings=build-dir=$AB_DIR/build-a" . > "$AB_DIR/build-a.log" 2>&1 \
+        || { echo "ab: build A failed ($AB_DIR/build-a.log):"; tail -n 20 "$AB_DIR/build-a.log"; exit 1; }
+    echo "ab: built A in $((SECONDS - start)) s"
+fi
 start=$SECONDS
 rm -rf "$AB_DIR/B"
 (cd "$AB_DIR/tree" && "${PIP[@]}" "--config-settings=build-dir=$AB_DIR/build-b" \
@@ -114,7 +127,7 @@ IMPORTED='import jax_nvfp4; print(jax_nvfp4.__file__)'
 a_file="$("$PYTHON" -P -c "$IMPORTED" 2>&1 | tail -n 1)"
 b_file="$(PYTHONPATH="$AB_DIR/B${PYTHONPATH:+:$PYTHONPATH}" "$PYTHON" -P -c "$IMPORTED" 2>&1 | tail -n 1)"
 echo "ab: A imports $a_file; B imports $b_file"
-if [[ "$a_file" != /*/jax_nvfp4/__init__.py || "$a_file" == "$AB_DIR"/* ]]; then
+if [[ "$A_MODE" != none && ( "$a_file" != /*/jax_nvfp4/__init__.py || "$a_file" == "$AB_DIR"/* ) ]]; then
     echo "ab: A's runs do not import the installed build" >&2; exit 1
 fi
 if [[ "$b_file" != "$AB_DIR/B/jax_nvfp4/__init__.py" ]]; then
@@ -122,7 +135,7 @@ if [[ "$b_file" != "$AB_DIR/B/jax_nvfp4/__init__.py" ]]; then
 fi
 
 for ((round = 1; round <= ROUNDS; ++round)); do
-    for side in A B; do
+    for side in "${SIDES[@]}"; do
         echo "== $side, round $round"
         start=$SECONDS
         if [[ "$side" == A ]]; then

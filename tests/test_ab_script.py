@@ -29,6 +29,7 @@ def run(*args, env=None, timeout=120):
     (["--patch", "{variant}"], "no command after --"),
     (["--patch", "{variant}", "--rounds", "0", "--", "true"], "--rounds must be"),
     (["--patch", "{variant}", "true"], "unknown argument 'true'"),
+    (["--patch", "{variant}", "--a", "both", "--", "true"], "--a must be build, installed or none"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(args, words):
     done = run(*(a.format(variant=VARIANTS[0]) for a in args))
@@ -117,6 +118,29 @@ def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
                                                  "PYTHONPATH": ""})
     assert done.returncode == 1, done
     assert "== A, round 1: exit 0" in done.stdout and "== B, round 1: exit 1" in done.stdout
+
+
+def test_a_installed_or_none_builds_no_a(tmp_path):
+    """--a installed: A's runs use the package installed here, nothing built for it (a build
+    would fail: FAKE_A_FAILS); --a none: B's runs alone."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    env = {"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"}
+    done = run("--patch", VARIANTS[0], "--a", "installed", "--rounds", "1", "--", "true", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "built A" not in done.stdout and "ab: built B" in done.stdout
+    runs = [x for x in done.stdout.splitlines() if x.startswith("== ")]
+    assert [x.split(":")[0] for x in runs] == ["== A, round 1"] * 2 + ["== B, round 1"] * 2
+    assert "exit 0" in runs[1] and "exit 0" in runs[3], runs
+    done = run("--patch", VARIANTS[0], "--a", "none", "--rounds", "2", "--", "true", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [x.split(":")[0] for x in done.stdout.splitlines() if x.startswith("== ")] == [
+        "== B, round 1", "== B, round 1", "== B, round 2", "== B, round 2"]
+    lines = run("--patch", VARIANTS[0], "--a", "none", "--dry-run", "--", "true",
+                env=env).stdout.splitlines()
+    assert lines[0] == "build A: none (no A runs)" and not any(
+        x.startswith("run A") for x in lines), lines
 
 
 def test_a_failed_build_stops_before_any_run(tmp_path):
