@@ -14,8 +14,8 @@
 # --dry-run prints the steps and runs nothing; --check applies the patches to a copy of the
 # tree and stops. --a installed takes the jax_nvfp4 already installed as A (no build: the tree
 # was installed by TESTING.md's command in the same lease); --a none runs B alone (a variant
-# that instruments, whose command A cannot run). Exit status: 0 when both builds and every run succeeded, 1 when one did
-# not, 2 for a usage error or a patch that does not apply.
+# that instruments, whose command A cannot run). Exit status: 0 when the builds and every run
+# succeeded, 1 when one did not, 2 for a usage error or a patch that does not apply.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

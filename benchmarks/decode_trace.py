@@ -73,9 +73,10 @@ def describe(t, verbose):
     print(f"  smallest nonzero step of the global timer seen: {deltas[deltas > 0].min()} ns")
     ended = t[:, END] != 0                     # (not the CTAs that returned early)
     print(f"  {int((~ended).sum())} CTAs returned early (no end event)")
-    cyc = (t[:, EVENTS + END] - t[:, EVENTS + ENTRY])[ended]
-    print(f"  CTA lifetimes (clock64): median {np.median(cyc):.0f}, min {cyc.min()}, "
-          f"max {cyc.max()} cycles")
+    if ended.any():
+        cyc = (t[:, EVENTS + END] - t[:, EVENTS + ENTRY])[ended]
+        print(f"  CTA lifetimes (clock64): median {np.median(cyc):.0f}, min {cyc.min()}, "
+              f"max {cyc.max()} cycles")
     waits, spreads_start, spreads_merge = [], [], []
     for unit, rows in sorted(clusters.items()):
         rows = sorted(rows, key=lambda i: by[i])
