@@ -100,8 +100,10 @@ if ((DRY_RUN)); then
     echo "tree B: $AB_DIR/tree = this tree's ${BUILD_INPUTS[*]} + ${PATCHES[*]}"
     echo "build B: (cd $AB_DIR/tree && ${PIP[*]} --config-settings=build-dir=$AB_DIR/build-b --target $AB_DIR/B .)"
     for ((round = 1; round <= ROUNDS; ++round)); do
-        [[ "$A_MODE" == none ]] || echo "run A, round $round: $*"
-        echo "run B, round $round: PYTHONPATH=$AB_DIR/B $*"
+        for side in "${SIDES[@]}"; do
+            if [[ "$side" == A ]]; then echo "run A, round $round: $*"
+            else echo "run B, round $round: PYTHONPATH=$AB_DIR/B $*"; fi
+        done
     done
     exit 0
 fi
