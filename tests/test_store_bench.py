@@ -3,13 +3,16 @@
 Runs a reduced --quick (16 tokens, the NVFP4 store and the jnp reference, no cache-size rows) in
 a subprocess on the CPU backend and checks what it prints: the smoke-run note once, first; the
 ceiling in units that fit; no share of the ceiling (meaningless off a GPU); the small calls'
-profiler time; where the files went; the table last. About 15 s on 2 CPU cores.
+profiler time; where the files went; the table last. About 15 s on 2 CPU cores. And the chain
+timing's rule for a difference that noise made non-positive (no run: its timer is replaced).
 """
 
 import importlib.util
 import json
 
-from scripts import run_on_cpu
+import math
+
+from scripts import load_script, run_on_cpu
 
 BENCH_PATH = "benchmarks/store_bench.py"
 TIME_LIMIT_S = 240
@@ -35,3 +38,37 @@ def test_store_bench_quick_on_cpu(tmp_path):
     # 16 tokens <= --device-time-max-tokens: also the kernels' own time from a profiler trace
     assert all(r["device_us_per_call"] > 0 for r in result["rows"])
     assert table.splitlines()[0].split(" | ")[5] == "kernels' µs / call (profiler)"
+
+
+def _chained_time_with(monkeypatch, times):
+    """store_bench.chained_time over chains of 2 and 10 calls whose timed runs return ``times``
+    in turn (short chain, long chain, short, ...); the timer replaced, nothing compiled or run.
+    Returns (seconds per call, how many runs were timed)."""
+    bench = load_script(BENCH_PATH, "store_bench_chained_time")
+    calls = iter(times)
+    timed = []
+
+    def fake_time_program(fn, state, args, repeats):
+        timed.append(len(args[0]))
+        return next(calls), state
+
+    monkeypatch.setattr(bench, "_time_program", fake_time_program)
+    monkeypatch.setattr(bench, "_chain", lambda step, n: n)
+    per_call, state = bench.chained_time(None, "state", [()] * 10, 2, 10, repeats=1)
+    assert state == "state"
+    return per_call, timed
+
+
+def test_chained_time_measures_a_non_positive_difference_again(monkeypatch):
+    # The first pair's long chain ran no longer than its short one (a loaded host): measured
+    # again, and the second pair's difference is the answer.
+    per_call, timed = _chained_time_with(monkeypatch, [1.0, 0.9, 1.0, 1.8])
+    assert per_call == (1.8 - 1.0) / 8 and timed == [2, 10, 2, 10]
+    # A positive first difference is taken at once.
+    per_call, timed = _chained_time_with(monkeypatch, [1.0, 1.5])
+    assert per_call == 0.5 / 8 and timed == [2, 10]
+
+
+def test_chained_time_is_nan_when_no_difference_is_positive(monkeypatch):
+    per_call, timed = _chained_time_with(monkeypatch, [1.0, 1.0, 2.0, 1.0, 3.0, 2.5])
+    assert math.isnan(per_call) and timed == [2, 10] * 3    # three attempts, never 0 µs
