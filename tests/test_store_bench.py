@@ -9,7 +9,6 @@ timing's rule for a difference that noise made non-positive (no run: its timer i
 
 import importlib.util
 import json
-
 import math
 
 from scripts import load_script, run_on_cpu
@@ -43,7 +42,7 @@ def test_store_bench_quick_on_cpu(tmp_path):
 def _chained_time_with(monkeypatch, times):
     """store_bench.chained_time over chains of 2 and 10 calls whose timed runs return ``times``
     in turn (short chain, long chain, short, ...); the timer replaced, nothing compiled or run.
-    Returns (seconds per call, how many runs were timed)."""
+    Returns (seconds per call, the chain length of each timed run in order)."""
     bench = load_script(BENCH_PATH, "store_bench_chained_time")
     calls = iter(times)
     timed = []
