@@ -635,7 +635,13 @@ def run_cache(cache, params, args, ceiling_bps, limit, key):
     def advance(s):
         return executable(params, tables, scales, s)[0]
 
-    seconds, state = store_bench._async_time(advance, state, args.n1, args.n2, args.repeats)
+    # A timing measured again (its two runs' difference not positive: a loaded host) starts
+    # from the first step's length again, so the steps stay inside the room the plan reserved.
+    def rewind(s):
+        return (s[0], s[1], jnp.full_like(s[2], plan.context + 1))
+
+    seconds, state = store_bench._async_time(advance, state, args.n1, args.n2, args.repeats,
+                                             rewind=rewind)
 
     def run_steps(n):
         nonlocal state

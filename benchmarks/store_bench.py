@@ -129,12 +129,26 @@ def chained_time(step, state, per_call_args, n1, n2, repeats, attempts=3):
     came out positive, never a time of 0.
     """
     short, long = _chain(step, n1), _chain(step, n2)  # compiled once, on the first attempt
-    for _ in range(attempts):
+
+    def timed_pair():
+        nonlocal state
         t1, state = _time_program(short, state, (per_call_args[:n1],), repeats)
         t2, state = _time_program(long, state, (per_call_args[:n2],), repeats)
+        return t1, t2
+
+    return _per_call(timed_pair, n1, n2, attempts), state
+
+
+def _per_call(timed_pair, n1, n2, attempts):
+    """Seconds per call from timed_pair() -> (time of n1 calls, time of n2 calls): their
+    difference over n2 - n1. A difference that is not positive (the host's noise larger than
+    what the longer run adds) is measured again, up to ``attempts`` pairs in all; NaN if none
+    came out positive, never a time of 0 or below."""
+    for _ in range(attempts):
+        t1, t2 = timed_pair()
         if t2 > t1:
-            return (t2 - t1) / (n2 - n1), state
-    return float("nan"), state
+            return (t2 - t1) / (n2 - n1)
+    return float("nan")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,9 +313,12 @@ def make_inputs(rng, tokens, heads, head_size, num_blocks, block_size, n_calls):
 
 # ---------------------------------------------------------------------------------------------
 
-def _async_time(fn, x, n1, n2, repeats):
+def _async_time(fn, x, n1, n2, repeats, attempts=3, rewind=None):
     """Device seconds per fn call: n calls queued back to back (dispatch is asynchronous, so the
-    host stays ahead of the device when one call takes far longer than its dispatch), for two n."""
+    host stays ahead of the device when one call takes far longer than its dispatch), for two n
+    (``_per_call``: measured again where the difference is not positive, NaN if it never is).
+    ``rewind(x)``, where given, is applied before each attempt after the first (a decode
+    state whose room for new tokens covers one attempt's calls)."""
 
     def run(n, x):
         t0 = time.perf_counter()
@@ -310,15 +327,24 @@ def _async_time(fn, x, n1, n2, repeats):
         _ready(x)
         return time.perf_counter() - t0, x
 
+    attempt = 0
+
+    def timed_pair():
+        nonlocal x, attempt
+        if attempt and rewind is not None:
+            x = rewind(x)
+        attempt += 1
+        t = {}
+        for n in (n1, n2):
+            samples = []
+            for _ in range(repeats):
+                dt, x = run(n, x)
+                samples.append(dt)
+            t[n] = statistics.median(samples)
+        return t[n1], t[n2]
+
     x = _ready(fn(x))
-    t = {}
-    for n in (n1, n2):
-        samples = []
-        for _ in range(repeats):
-            dt, x = run(n, x)
-            samples.append(dt)
-        t[n] = statistics.median(samples)
-    return (t[n2] - t[n1]) / (n2 - n1), x
+    return _per_call(timed_pair, n1, n2, attempts), x
 
 
 def measure_ceiling(nbytes, repeats):

@@ -71,3 +71,23 @@ def test_chained_time_measures_a_non_positive_difference_again(monkeypatch):
 def test_chained_time_is_nan_when_no_difference_is_positive(monkeypatch):
     per_call, timed = _chained_time_with(monkeypatch, [1.0, 1.0, 2.0, 1.0, 3.0, 2.5])
     assert math.isnan(per_call) and timed == [2, 10] * 3    # three attempts, never 0 µs
+
+
+def test_async_time_rewinds_a_state_before_measuring_again(monkeypatch):
+    # Queued calls of x -> x + 1 (a decode step's length), n1 = 1 and n2 = 3, one run each: the
+    # first pair's clock readings give 1.0 s for n1 and 0.5 s for n2 (noise), the second pair's
+    # 1.0 and 3.0. The state is rewound once, before the second pair, and the answer is the
+    # second pair's (3.0 - 1.0) / 2 seconds a call.
+    bench = load_script(BENCH_PATH, "store_bench_async_time")
+    readings = iter([0.0, 1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 3.0])
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(readings))
+    rewound = []
+
+    def rewind(x):
+        rewound.append(x)
+        return 100
+
+    seconds, x = bench._async_time(lambda x: x + 1, 0, 1, 3, repeats=1, rewind=rewind)
+    assert seconds == 1.0
+    assert rewound == [1 + 1 + 3]          # the warm-up call and the first pair's 4 calls
+    assert x == 100 + 1 + 3                # the second pair ran from the rewound state
