@@ -359,7 +359,7 @@ def block_tables(cache, seed):
     if cache.key == "dense":
         return np.zeros((plan.batch, 1), np.int32)
     lc = argparse.Namespace(batch=plan.batch, context=plan.context, block_size=BLOCK_SIZE)
-    num_blocks, tables, _, _ = paged_decode.long_context_plan(lc, plan.new_tokens, seed)
+    num_blocks, tables, _ = paged_decode.long_context_plan(lc, plan.new_tokens, seed)
     assert num_blocks == plan.num_blocks, (num_blocks, plan.num_blocks)
     out = np.zeros((plan.batch, plan.table_width), np.int32)
     out[:, :tables.shape[1]] = tables

@@ -123,10 +123,8 @@ def _chain(step, n):
 def chained_time(step, state, per_call_args, n1, n2, repeats, attempts=3):
     """Device seconds per call of step(state, *args_i), by the difference of two chain lengths.
 
-    per_call_args: a list of at least n2 argument tuples (one per chained call). A difference
-    that is not positive (the host's noise larger than what the longer chain adds: a small
-    store on a loaded CPU) is measured again, up to ``attempts`` times in all; NaN if none
-    came out positive, never a time of 0.
+    per_call_args: a list of at least n2 argument tuples (one per chained call). The two
+    chains are timed again where their difference is not positive (``_per_call``).
     """
     short, long = _chain(step, n1), _chain(step, n2)  # compiled once, on the first attempt
 

@@ -404,7 +404,10 @@ def test_long_context_options(example):
 def test_long_context_plan_and_random_caches(example):
     cfg = example.parse_args(LONG_TINY + ["--layout", "NHD"])
     num_new = 8
-    num_blocks, tables, slots, lens = example.long_context_plan(cfg, num_new, seed=1)
+    num_blocks, tables, lens = example.long_context_plan(cfg, num_new, seed=1)
+    # Each step's slots as the decode step computes them from the plan's tables and lengths.
+    slots = np.stack([np.asarray(example.decode_slots(jnp.asarray(tables), jnp.asarray(n), 16))
+                      for n in lens])
     assert num_blocks == 2 * math.ceil((61 + num_new) / 16) == 10     # exactly what is needed
     assert tables.shape == (2, 5) and tables.dtype == np.int32
     assert sorted(tables.ravel().tolist()) == list(range(num_blocks))  # every page once
