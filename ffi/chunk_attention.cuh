@@ -465,9 +465,25 @@ __device__ __forceinline__ void attend_chunks_staged(
   column_sums(st);
 }
 
+// The warps' merge keeps a row of O in shared memory kMergeRowFloats apart, with 2 floats of
+// padding after each lane column's kHead / 8 dims (merge_dim): a warp's 8-byte stores of one
+// (n-tile, k-tile, row half) then fall on 16 distinct bank pairs per half warp. Unpadded
+// (row stride kHead, a lane column every 2 kHead / 16 floats) its 32 lanes hit 2 banks: a
+// 16-way conflict on every store (decode v12, benchmarks/NOTES.md). The row stride is
+// kHead + 16 of padded dims + 4: 4 mod 16, so the 4 lanes of a column group (qd) land 4 bank
+// pairs apart.
+template <int kHead>
+constexpr int kMergeRowFloats = kHead + 20;
+
+// Where head dim d of a row lies in the merge's row (the padding above).
+template <int kHead>
+__device__ __forceinline__ int merge_dim(int d) {
+  return d + 2 * (d / (kHead / 8));
+}
+
 // Shared memory (floats) the warps' merge takes for kRows rows.
 template <int kHead, int kRows>
-constexpr int kMergeFloats = kChunkWarps * kRows * (2 + kHead);
+constexpr int kMergeFloats = kChunkWarps * kRows * (2 + kMergeRowFloats<kHead>);
 
 // Dynamic shared memory of a CTA whose warps run attend_chunks_staged with kSlots slots each,
 // then merge_warps over kRows rows in the same bytes (after a barrier): the larger of the two.
@@ -502,29 +518,43 @@ __device__ __forceinline__ void merge_warps(const WarpState<kHead, kNT>& st, flo
     }
 #pragma unroll
     for (int i = 0; i < Shape<kHead>::kKTiles; ++i) {
-      const int dim = lane_dim<kHead>(g, i);
+      // dims lane_dim and lane_dim + 1 of a row are adjacent (merge_dim pads between lane
+      // columns only): one 8-byte store per row half.
+      const int dim = merge_dim<kHead>(lane_dim<kHead>(g, i));
 #pragma unroll
-      for (int r = 0; r < 4; ++r)
-        shared_o[(warp * kRows + 8 * t + 2 * qd + (r & 1)) * kHead + dim + (r >> 1)] =
-            st.o[i][t][r];
+      for (int h = 0; h < 2; ++h)
+        *reinterpret_cast<float2*>(
+            &shared_o[(warp * kRows + 8 * t + 2 * qd + h) * kMergeRowFloats<kHead> + dim]) =
+            make_float2(st.o[i][t][h], st.o[i][t][h + 2]);
     }
   }
   __syncthreads();
 
-  for (int i = threadIdx.x; i < rows * kHead; i += kChunkWarps * 32) {
-    const int row = i / kHead, d = i % kHead;
-    float top = -INFINITY;
+  // Up to kCombineUnroll of a thread's (row, dim) values at a time: their shared-memory reads,
+  // exponentials and divisions are independent, so they overlap where a loop of one at a time
+  // waits for each in turn (decode v13: the merge was a latency chain at one warp a scheduler).
+  constexpr int kCombineUnroll = 4;
+  constexpr int kStride = kChunkWarps * 32;
+#pragma unroll 1
+  for (int base = threadIdx.x; base < rows * kHead; base += kCombineUnroll * kStride) {
 #pragma unroll
-    for (int w = 0; w < kChunkWarps; ++w) top = fmaxf(top, shared_m[w * kRows + row]);
-    const float offset = top == -INFINITY ? 0.f : top;
-    float sum = 0.f, acc = 0.f;
+    for (int u = 0; u < kCombineUnroll; ++u) {
+      const int i = base + u * kStride;
+      if (i >= rows * kHead) break;
+      const int row = i / kHead, d = i % kHead;
+      float top = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kChunkWarps; ++w) {
-      const float weight = exp2_approx(shared_m[w * kRows + row] - offset);
-      sum += weight * shared_l[w * kRows + row];
-      acc += weight * shared_o[(w * kRows + row) * kHead + d];
+      for (int w = 0; w < kChunkWarps; ++w) top = fmaxf(top, shared_m[w * kRows + row]);
+      const float offset = top == -INFINITY ? 0.f : top;
+      float sum = 0.f, acc = 0.f;
+#pragma unroll
+      for (int w = 0; w < kChunkWarps; ++w) {
+        const float weight = exp2_approx(shared_m[w * kRows + row] - offset);
+        sum += weight * shared_l[w * kRows + row];
+        acc += weight * shared_o[(w * kRows + row) * kMergeRowFloats<kHead> + merge_dim<kHead>(d)];
+      }
+      emit(row, d, acc / sum, offset + __log2f(sum));
     }
-    emit(row, d, acc / sum, offset + __log2f(sum));
   }
 }
 

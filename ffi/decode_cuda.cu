@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kThreads, kMinCtasPerSm<kHead>)
       attend_chunks<kHead, kSwizzle, kLayout, 1>(pv, uint32_t(begin), uint32_t(end),
                                                  uint32_t(end), limit, qf, score_scale, warp,
                                                  lane, first_pages, st);
-      __shared__ float own_merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
+      __shared__ __align__(16) float own_merge_smem[kMergeFloats<kHead, kHeadsPerCta>];
       merge_smem = own_merge_smem;
     }
     merge_warps<kHead, 1>(st, merge_smem, heads_here, warp, lane,

@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, kFewRowsCtasPerSm)
     extern __shared__ __align__(1024) uint8_t few_rows_slots[];
     smem = few_rows_slots;
   } else {
-    __shared__ float merge_floats[kMergeFloats<kHead, kFewRows>];
+    __shared__ __align__(16) float merge_floats[kMergeFloats<kHead, kFewRows>];
     smem = reinterpret_cast<uint8_t*>(merge_floats);
   }
   const RaggedCta cta = ragged_cta(p, grid);  // (slot b: sequence b)
