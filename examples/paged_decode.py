@@ -32,7 +32,9 @@ reads each sequence's pages. Each run's first token comes from its own prefill. 
 loop reserves every step's page up front and sends the block tables to the device once; a step
 computes its slots from them and the lengths, and returns the next step's lengths and tokens,
 so nothing crosses from the host while it decodes (as in an engine's device-resident loop;
-with ``--teacher-force``, each step's forced tokens do).
+with ``--teacher-force``, each step's forced tokens do). ``--steps-per-call N`` runs N steps a
+call as a ``lax.scan`` (one host dispatch for N tokens a sequence, as vLLM's multi-step
+scheduling does): the same tokens and logits as one step a call.
 
 A speculative-decoding check follows, k = ``--draft-tokens`` (default 4). The draft model is
 the model itself: its drafts are the tokens the NVFP4 decode generated greedily, so all are
@@ -111,6 +113,7 @@ class Config:
     batch: int = 4
     prompt_lens: tuple = (64, 96, 128, 160)   # cycled when batch is larger
     steps: int = 48
+    steps_per_call: int = 1                # decode steps per jitted call (a lax.scan of them)
     prefill_chunk: int = 24                # prompt tokens per sequence per chunked-prefill step
     draft_tokens: int = 4                  # tokens of the speculative-decoding verify step
     # The model's sizes: the trained model's (examples/tiny_lm.npz); others need random weights.
@@ -135,7 +138,7 @@ class Config:
     long_context: bool = False
     context: int = 32768                   # tokens already in each sequence's cache
     repeats: int = 5                       # timings of ``steps`` steps; the median is reported
-    warmup: int = 2                        # untimed steps after compiling
+    warmup: int = 2                        # untimed calls (of steps_per_call steps) after compiling
     nvfp4_jnp: bool = False                # also time the NVFP4 cache with impl="jnp"
 
 
@@ -313,6 +316,13 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
     ``trace_counter[kind]`` counts how often JAX traces it (once, if nothing recompiles).
     ``impl`` is the NVFP4 reader's (``paged_attention(impl=...)``): ``"auto"`` runs the fused
     CUDA kernel on a GPU and the jnp path elsewhere.
+
+    With ``cfg.steps_per_call`` = k > 1 one call runs k steps as a ``lax.scan``, each step's
+    greedy tokens fed to the next on the device: (params, caches, scales, tokens, block_tables,
+    seq_lens, forced) -> ((caches, seq_lens + k, the last step's tokens), (tokens [k, B],
+    logits [k, B, vocab])), one host dispatch for k tokens a sequence (vLLM's multi-step
+    scheduling). ``forced`` is None (free-running) or [k, B] tokens that replace each step's
+    input (teacher forcing); the caller reserves the pages of all k positions before the call.
     """
 
     def step(params, caches, scales, tokens, block_tables, seq_lens):
@@ -336,7 +346,24 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
         tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         return (tuple(new_caches), seq_lens + 1), (tokens, logits)
 
-    return jax.jit(step, donate_argnums=(1, 5))
+    k = cfg.steps_per_call
+    if k == 1:
+        return jax.jit(step, donate_argnums=(1, 5))
+
+    def steps(params, caches, scales, tokens, block_tables, seq_lens, forced):
+        def body(carry, forced_tokens):
+            caches, seq_lens, tokens = carry
+            if forced_tokens is not None:
+                tokens = forced_tokens
+            (caches, seq_lens), (tokens, logits) = step(params, caches, scales, tokens,
+                                                        block_tables, seq_lens)
+            return (caches, seq_lens, tokens), (tokens, logits)
+
+        # The state in the order of the single step's (seq_lens donated before the tokens of
+        # the same shape and type: JAX gives it the first such output).
+        return jax.lax.scan(body, (caches, seq_lens, tokens), forced, length=k)
+
+    return jax.jit(steps, donate_argnums=(1, 5))
 
 
 def make_ragged_step(cfg, trace_counter, impl="auto", max_q_len=None, name="ragged"):
@@ -602,13 +629,14 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
            forced_tokens=None):
     """One run's decode from its prefilled ``caches`` (the prompts' tokens allocated in
     ``alloc``): the first token from ``first_logits`` (the last prompt position's), then
-    ``cfg.steps`` steps. Returns a dict."""
+    ``cfg.steps`` steps, ``cfg.steps_per_call`` of them a call. Returns a dict."""
     seqs = list(range(cfg.batch))
+    k = cfg.steps_per_call
     step = make_decode_step(cfg, kind, trace_counter)
     step_scales = scales if kind == "nvfp4" else tuple(() for _ in scales)
 
     tokens = jnp.argmax(first_logits, axis=-1).astype(jnp.int32)   # first generated token
-    generated, all_logits = [tokens], []
+    generated, all_logits = [tokens], []     # per call: [B] and [B, vocab], or [k, B], [k, B, V]
     donated = None
     # Every step's page reserved up front (an engine reserves for its length limit), so the
     # block tables stay the same and go to the device once, with the first step's lengths.
@@ -618,15 +646,24 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
     seq_lens = jnp.asarray(alloc.seq_lens(seqs) - cfg.steps + 1)
     jax.block_until_ready(caches)
     stage(cfg, f"{kind}: compiling the decode step (its first call)")
-    progress = Progress(cfg.steps, f"{kind}: decode steps", cfg.progress)
+    progress = Progress(cfg.steps // k, f"{kind}: decode " + ("steps" if k == 1 else
+                                                              f"calls of {k} steps"),
+                        cfg.progress)
     t0 = time.perf_counter()
     t_first = None
-    for i in range(cfg.steps):
-        if forced_tokens is not None:
+    forced = None
+    for i in range(0, cfg.steps, k):
+        if forced_tokens is not None and k == 1:
             tokens = jnp.asarray(forced_tokens[:, i])
+        elif forced_tokens is not None:
+            forced = jnp.asarray(forced_tokens[:, i:i + k].T)
         old = caches
-        (caches, seq_lens), (tokens, logits) = step(params, caches, step_scales, tokens, tables,
-                                                    seq_lens)
+        if k == 1:
+            (caches, seq_lens), (tokens, logits) = step(params, caches, step_scales, tokens,
+                                                        tables, seq_lens)
+        else:
+            (caches, seq_lens, last), (tokens, logits) = step(params, caches, step_scales,
+                                                              tokens, tables, seq_lens, forced)
         if i == 0:
             jax.block_until_ready(tokens)
             t_first = time.perf_counter() - t0
@@ -635,24 +672,27 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
         del old
         generated.append(tokens)
         all_logits.append(logits)
+        if k > 1:
+            tokens = last                      # the last step's tokens feed the next call
         progress.update()
     jax.block_until_ready((generated, caches))
     t_rest = time.perf_counter() - t0
     progress.close()
 
     # How the step compiled: donated caches show up as input/output aliases in the HLO.
-    args = (params, caches, step_scales, tokens, tables, seq_lens)
+    args = (params, caches, step_scales, tokens, tables, seq_lens) + ((forced,) if k > 1 else ())
     traces = trace_counter[kind]
     hlo = step.lower(*args).compile().as_text()
     header = hlo.split("\n", 1)[0]
     num_aliased = header.count("may-alias") + header.count("must-alias")
     cache_copies = _hlo_cache_copies(hlo, caches)
     return dict(
-        tokens=np.stack([np.asarray(t) for t in generated], axis=1),     # [B, steps + 1]
-        logits=np.stack([np.asarray(x) for x in all_logits], axis=1),    # [B, steps, vocab]
+        tokens=np.concatenate([np.asarray(t).reshape(-1, cfg.batch) for t in generated]).T,
+        logits=np.concatenate([np.asarray(x).reshape(-1, *first_logits.shape)
+                               for x in all_logits]).transpose(1, 0, 2),  # [B, steps, vocab]
         first_logits=np.asarray(first_logits),                           # [B, vocab]
-        first_step_s=t_first,
-        tokens_per_s=cfg.batch * (cfg.steps - 1) / t_rest if cfg.steps > 1 else float("nan"),
+        first_step_s=t_first,                  # the first call's (k steps with --steps-per-call)
+        tokens_per_s=(cfg.batch * (cfg.steps - k) / t_rest if cfg.steps > k else float("nan")),
         cache_bytes=cache_bytes(caches),
         traces=traces,
         jit_cache_size=step._cache_size(),
@@ -943,8 +983,9 @@ def report(cfg, r):
     tps, bpt = r["tokens_per_s"], r["bytes_per_token"]
     ratio = bpt["bf16"] / bpt["nvfp4"]
     print(f"NVFP4 vs bf16 paged KV cache: {cfg.layers} layers, {cfg.num_kv_heads} kv heads x "
-          f"{cfg.head_size}, batch {cfg.batch}, {cfg.steps} decode steps on "
-          f"{r['platform']} ({r['model']})")
+          f"{cfg.head_size}, batch {cfg.batch}, {cfg.steps} decode steps"
+          + (f" ({cfg.steps_per_call} a call)" if cfg.steps_per_call > 1 else "")
+          + f" on {r['platform']} ({r['model']})")
     print(f"  nvfp4: {tps['nvfp4']:8,.1f} tokens/s, {bpt['nvfp4']:6,} B of cache per token "
           f"-> {ratio:.2f}x the context of bf16 in the same memory")
     print(f"  bf16 : {tps['bf16']:8,.1f} tokens/s, {bpt['bf16']:6,} B of cache per token")
@@ -1183,25 +1224,38 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     tables_d = jnp.asarray(tables)
     lens_d = jnp.asarray(lens[0])
 
-    stage(cfg, f"{label}: compiling the decode step")
+    k = cfg.steps_per_call
+    stage(cfg, f"{label}: compiling the decode step" + (f" ({k} steps a call)" if k > 1 else ""))
     t0 = time.perf_counter()
-    compiled = step.lower(params, caches, scales, tokens, tables_d, lens_d).compile()
+    compiled = step.lower(params, caches, scales, tokens, tables_d, lens_d,
+                          *((None,) if k > 1 else ())).compile()
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
     kernel_calls = hlo.count(f'custom_call_target="{_DECODE_TARGET}"')
     cache_copies = _hlo_cache_copies(hlo, caches)
 
-    # Step 0 (warm-up): checks donation and keeps its logits (the same in every NVFP4 run).
+    def call(caches, tokens, lens_d):
+        """One call: k steps; returns the state and the logits ([B, vocab], or [k, B, vocab]
+        for k > 1: reshaped on the host, so the timed loop dispatches nothing more)."""
+        if k == 1:
+            (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens,
+                                                          tables_d, lens_d)
+            return caches, tokens, lens_d, logits
+        (caches, lens_d, tokens), (_, logits) = compiled(params, caches, scales, tokens,
+                                                         tables_d, lens_d, None)
+        return caches, tokens, lens_d, logits
+
+    # Call 0 (warm-up): checks donation and keeps its first step's logits (the same in every
+    # NVFP4 run).
     old = caches
-    (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens, tables_d, lens_d)
-    first_logits = np.asarray(logits)
+    caches, tokens, lens_d, logits = call(caches, tokens, lens_d)
+    first_logits = np.asarray(logits).reshape(-1, *tokens.shape, cfg.vocab)[0]
     donated = all(x.is_deleted() for x in jax.tree.leaves(old))
     del old
-    i = 1
+    i = k
     for _ in range(cfg.warmup - 1):
-        (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens, tables_d,
-                                                      lens_d)
-        i += 1
+        caches, tokens, lens_d, logits = call(caches, tokens, lens_d)
+        i += k
     jax.block_until_ready((tokens, logits, caches))
 
     times, attended = [], []
@@ -1209,15 +1263,14 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     for _ in range(cfg.repeats):
         attended.append(lens[i:i + cfg.steps].sum(dtype=np.int64))
         t0 = time.perf_counter()
-        for _ in range(cfg.steps):
-            (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens,
-                                                          tables_d, lens_d)
-            i += 1
+        for _ in range(cfg.steps // k):
+            caches, tokens, lens_d, logits = call(caches, tokens, lens_d)
+            i += k
         jax.block_until_ready((tokens, logits, caches))
         times.append((time.perf_counter() - t0) / cfg.steps)
         progress.update()
     progress.close()
-    last_logits = np.asarray(logits)
+    last_logits = np.asarray(logits).reshape(-1, *tokens.shape, cfg.vocab)[-1]
     del caches
     step_s = float(np.median(times))
     # Bytes of the tokens attended to (K and V, all layers) over the time taken: the kernel
@@ -1246,7 +1299,7 @@ def run_long_context(cfg: Config) -> dict:
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name} must be >= 1 in long-context mode, got "
                              f"{getattr(cfg, name)}")
-    num_new = cfg.warmup + cfg.repeats * cfg.steps
+    num_new = cfg.warmup * cfg.steps_per_call + cfg.repeats * cfg.steps
     plan = long_context_plan(cfg, num_new, seed=cfg.seed + 1)
     num_blocks, tables = plan[:2]
     params = init_params(cfg)
@@ -1350,8 +1403,11 @@ def report_long_context(cfg, r):
     print(f"page pool: {r['num_blocks']:,} pages = {cfg.batch} sequences x "
           f"{r['pages_per_seq']:,} pages ({context_pages:,} hold the context, the rest the "
           f"{r['new_tokens']} new tokens); block tables: a random permutation of the pages")
-    print(f"timing: {cfg.warmup} warm-up steps after compiling, then the median of "
-          f"{cfg.repeats} runs of {cfg.steps} steps (block_until_ready after each run); "
+    k = cfg.steps_per_call
+    warm = f"{cfg.warmup} warm-up " + (f"calls of {k} steps" if k > 1 else "steps")
+    print(f"timing: {warm} after compiling, then the median of "
+          f"{cfg.repeats} runs of {cfg.steps} steps" + (f" ({k} a call)" if k > 1 else "")
+          + " (block_until_ready after each run); "
           f"one step = all layers (q/k/v, store into the donated cache, attend, MLP)")
     paths = []
     for name, run in runs.items():
@@ -1386,11 +1442,14 @@ def config_problems(cfg: Config) -> list:
     problems = []
     at_least = dict(batch=1, steps=1, prefill_chunk=1, draft_tokens=1, layers=1, d_model=1,
                     num_q_heads=1, num_kv_heads=1, mlp=1, vocab=1, extra_blocks=0, context=0,
-                    repeats=1, warmup=1 if cfg.long_context else 0)
+                    repeats=1, warmup=1 if cfg.long_context else 0, steps_per_call=1)
     for name, low in at_least.items():
         if getattr(cfg, name) < low:
             problems.append(f"--{name.replace('_', '-')} must be >= {low}, got "
                             f"{getattr(cfg, name)}")
+    if cfg.steps >= 1 and cfg.steps_per_call >= 1 and cfg.steps % cfg.steps_per_call:
+        problems.append(f"--steps ({cfg.steps}) must be a multiple of --steps-per-call "
+                        f"({cfg.steps_per_call}): every call runs that many steps")
     if not cfg.prompt_lens or min(cfg.prompt_lens) < 1:
         problems.append(f"--prompt-lens must all be >= 1, got {list(cfg.prompt_lens)}")
     if cfg.num_q_heads >= 1 and cfg.num_kv_heads >= 1 and cfg.num_q_heads % cfg.num_kv_heads:
@@ -1430,6 +1489,10 @@ def parse_args(argv=None) -> Config:
                    metavar="N", help=f"prompt lengths in tokens, cycled over the batch (default "
                                      f"{' '.join(map(str, d.prompt_lens))})")
     sized("--steps", "decode steps (with --long-context: timed steps per repeat)")
+    p.add_argument("--steps-per-call", type=int, default=d.steps_per_call, metavar="N",
+                   help=f"decode steps per jitted call, run on the device as a lax.scan (one "
+                        f"host dispatch for N tokens a sequence; --steps a multiple of it; with "
+                        f"--long-context --warmup counts calls) (default {d.steps_per_call})")
     sized("--prefill-chunk", "prompt tokens per sequence in each chunked-prefill step of the "
                              "NVFP4 run")
     sized("--draft-tokens", "tokens per sequence of the speculative-decoding verify step (at "
@@ -1472,7 +1535,8 @@ def parse_args(argv=None) -> Config:
                    help=f"timings of --steps steps each; the median is reported (default "
                         f"{d.repeats})")
     g.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
-                   help=f"untimed steps after compiling, at least 1 (default {d.warmup})")
+                   help=f"untimed steps (calls, with --steps-per-call) after compiling, at "
+                        f"least 1 (default {d.warmup})")
     g.add_argument("--nvfp4-jnp", action="store_true",
                    help="also time the NVFP4 cache with paged_attention(impl='jnp') (the XLA "
                         "reader): on a GPU, what the fused kernel buys on the same cache")
@@ -1493,6 +1557,7 @@ def parse_args(argv=None) -> Config:
                  random_weights=random_weights,
                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
                  teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
+                 steps_per_call=a.steps_per_call,
                  verbose=a.verbose,
                  long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
                  nvfp4_jnp=a.nvfp4_jnp, **size)

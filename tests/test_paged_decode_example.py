@@ -570,3 +570,67 @@ def test_model_sizes_need_random_weights(example, capsys):
     cfg = example.parse_args(["--layers", "2", "--random-weights"])
     assert cfg.layers == 2 and cfg.random_weights
     assert example.parse_args(["--long-context"]).random_weights   # always random there
+
+
+# --------------------------------------------------------------------------- steps per call
+
+
+def test_steps_per_call_gives_the_single_steps_results(example, results, capsys):
+    """--steps-per-call 4 runs the same decode as one step a call (the module's teacher-forced
+    run, TINY): 4 calls of a lax.scan of 4 steps, each step's tokens fed to the next on the
+    device (the bf16 run's tokens fed in per step for the NVFP4 run). The same computation in
+    the same order: tokens and logits equal bit for bit (measured on the CPU, both caches), the
+    scan compiled once, its caches donated and updated in place."""
+    r = example.main(TINY + ["--teacher-force", "--steps-per-call", "4"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("NVFP4 vs bf16 paged KV cache: 2 layers, 2 kv heads x 64, "
+                               "batch 4, 16 decode steps (4 a call) on cpu"), lines[0]
+    for kind in ("bf16", "nvfp4"):
+        np.testing.assert_array_equal(r[f"tokens_{kind}"], results[f"tokens_{kind}"])
+        np.testing.assert_array_equal(r[f"logits_{kind}"], results[f"logits_{kind}"])
+    assert r["traces"] == {"bf16": 1, "nvfp4": 1}
+    assert r["jit_cache_size"] == {"bf16": 1, "nvfp4": 1}
+    assert r["caches_donated"] == {"bf16": True, "nvfp4": True}
+    assert r["hlo_cache_copies"] == {"bf16": 0, "nvfp4": 0}
+    assert r["hlo_aliased_outputs"] == results["hlo_aliased_outputs"]
+    assert r["checks_passed"]
+
+
+def test_steps_per_call_free_running(example):
+    """Free-running (each call's last tokens start the next) with 2 steps a call: the same
+    tokens as one step a call."""
+    opts = TINY + ["--steps", "6", "--layers", "1"]
+    one, two = example.main(opts + ["--steps-per-call", "1"]), example.main(
+        opts + ["--steps-per-call", "2"])
+    for kind in ("bf16", "nvfp4"):
+        np.testing.assert_array_equal(two[f"tokens_{kind}"], one[f"tokens_{kind}"])
+        np.testing.assert_array_equal(two[f"logits_{kind}"], one[f"logits_{kind}"])
+        assert two[f"tokens_{kind}"].shape == (4, 7)
+    assert math.isfinite(two["tokens_per_s"]["nvfp4"]) and two["tokens_per_s"]["nvfp4"] > 0
+
+
+def test_steps_per_call_must_divide_steps(example, capsys):
+    for argv, message in [(["--steps", "6", "--steps-per-call", "4"],
+                           "--steps (6) must be a multiple of --steps-per-call (4)"),
+                          (["--steps-per-call", "0"], "--steps-per-call must be >= 1, got 0")]:
+        with pytest.raises(SystemExit) as e:
+            example.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert example.parse_args(["--steps", "6", "--steps-per-call", "3"]).steps_per_call == 3
+
+
+def test_long_context_steps_per_call(example, capsys):
+    """Long-context mode with 3 steps a call: --warmup counts calls, so 2 x 3 + 2 x 3 new
+    tokens; the first call's first step has the logits of the one-step mode's first step."""
+    argv = [a for a in LONG_TINY if a != "--nvfp4-jnp"]
+    one = example.main(argv)
+    r = example.main(argv + ["--steps-per-call", "3"])
+    out = capsys.readouterr().out
+    assert r["new_tokens"] == 12 and r["num_blocks"] == 2 * math.ceil((61 + 12) / 16)
+    assert re.search(r"^timing: 2 warm-up calls of 3 steps after compiling, then the median of "
+                     r"2 runs of 3 steps \(3 a call\)", out, re.M), out
+    for name in ("nvfp4", "bf16"):
+        run = r["runs"][name]
+        assert run["steps_run"] == 12 and len(run["step_ms_all"]) == 2
+        assert run["caches_donated"] and run["hlo_cache_copies"] == 0 and run["logits_finite"]
+        np.testing.assert_array_equal(run["first_logits"], one["runs"][name]["first_logits"])
