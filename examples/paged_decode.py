@@ -34,7 +34,7 @@ computes its slots from them and the lengths, and returns the next step's length
 so nothing crosses from the host while it decodes (as in an engine's device-resident loop;
 with ``--teacher-force``, each step's forced tokens do). ``--steps-per-call N`` runs N steps a
 call as a ``lax.scan`` (one host dispatch for N tokens a sequence, as vLLM's multi-step
-scheduling does): the same tokens and logits as one step a call.
+scheduling does); on the CPU its tokens and logits equal one step a call's bit for bit (tested).
 
 A speculative-decoding check follows, k = ``--draft-tokens`` (default 4). The draft model is
 the model itself: its drafts are the tokens the NVFP4 decode generated greedily, so all are
@@ -739,8 +739,7 @@ def run(cfg: Config) -> dict:
     cache, checked against the dense prefill, and the speculative verify step checked against
     the token-by-token steps; the two runs compared. Returns a results dict."""
     t_start = time.perf_counter()
-    jax_nvfp4.layout.check_layout(cfg.layout)
-    jax_nvfp4.layout.check_scale_search(cfg.scale_search)
+    _check_config(cfg)
     prompt_lens = _prompt_lens(cfg)
     params, model_note = load_model(cfg)
     if cfg.random_weights:
@@ -1034,7 +1033,8 @@ def report(cfg, r):
     print("k_scale per layer: " + ", ".join(f"{s:.4g}" for s in r["k_scales"])
           + "; v_scale: " + ", ".join(f"{s:.4g}" for s in r["v_scales"]))
     for k in KINDS:
-        print(f"{k:>5}: first step incl. compile {r['first_step_s'][k]:.2f} s, cache "
+        first = "first step" if cfg.steps_per_call == 1 else f"first {cfg.steps_per_call} steps"
+        print(f"{k:>5}: {first} incl. compile {r['first_step_s'][k]:.2f} s, cache "
               f"{r['cache_bytes'][k]:,} bytes, step traced {r['traces'][k]}x, jit cache entries "
               f"{r['jit_cache_size'][k]}, caches donated {r['caches_donated'][k]}, aliased "
               f"outputs {r['hlo_aliased_outputs'][k]}/{r['cache_leaves'][k] + 1} (the caches' "
@@ -1284,7 +1284,7 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
         tokens_per_s=cfg.batch / step_s, attended_gb_per_s=attended_bytes / step_s / 1e9,
         compile_s=compile_s, fill_s=fill_s, cache_bytes=total_bytes,
         bytes_per_token_per_layer=bpt, caches_donated=donated, hlo_cache_copies=cache_copies,
-        steps_run=i, first_logits=first_logits,
+        steps_run=i, first_logits=first_logits, last_logits=last_logits,
         logits_finite=bool(np.isfinite(first_logits).all() and np.isfinite(last_logits).all()),
     )
 
@@ -1293,12 +1293,7 @@ def run_long_context(cfg: Config) -> dict:
     """Times one decode step over caches already holding ``cfg.context`` tokens per sequence:
     NVFP4 (fused CUDA kernel on a GPU) against bf16. Returns a results dict."""
     t_start = time.perf_counter()
-    jax_nvfp4.layout.check_layout(cfg.layout)
-    jax_nvfp4.layout.check_scale_search(cfg.scale_search)
-    for name in ("batch", "steps", "repeats", "warmup", "layers"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name} must be >= 1 in long-context mode, got "
-                             f"{getattr(cfg, name)}")
+    _check_config(dataclasses.replace(cfg, long_context=True))
     num_new = cfg.warmup * cfg.steps_per_call + cfg.repeats * cfg.steps
     plan = long_context_plan(cfg, num_new, seed=cfg.seed + 1)
     num_blocks, tables = plan[:2]
@@ -1437,6 +1432,16 @@ def report_long_context(cfg, r):
     print(f"wall time {r['wall_s']:.1f} s")
 
 
+def _check_config(cfg: Config):
+    """:func:`config_problems` for a caller that built ``cfg`` itself (the command line has
+    :func:`parse_args`): ValueError naming every problem; the layout and scale search too."""
+    jax_nvfp4.layout.check_layout(cfg.layout)
+    jax_nvfp4.layout.check_scale_search(cfg.scale_search)
+    problems = config_problems(cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def config_problems(cfg: Config) -> list:
     """What is wrong with a configuration, one message per problem (empty: it runs)."""
     problems = []
@@ -1450,6 +1455,9 @@ def config_problems(cfg: Config) -> list:
     if cfg.steps >= 1 and cfg.steps_per_call >= 1 and cfg.steps % cfg.steps_per_call:
         problems.append(f"--steps ({cfg.steps}) must be a multiple of --steps-per-call "
                         f"({cfg.steps_per_call}): every call runs that many steps")
+    elif cfg.steps_per_call > 1 and cfg.steps < 2 * cfg.steps_per_call and not cfg.long_context:
+        problems.append(f"--steps ({cfg.steps}) must be at least twice --steps-per-call "
+                        f"({cfg.steps_per_call}): the first call, which compiles, is not timed")
     if not cfg.prompt_lens or min(cfg.prompt_lens) < 1:
         problems.append(f"--prompt-lens must all be >= 1, got {list(cfg.prompt_lens)}")
     if cfg.num_q_heads >= 1 and cfg.num_kv_heads >= 1 and cfg.num_q_heads % cfg.num_kv_heads:

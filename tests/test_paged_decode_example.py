@@ -612,7 +612,9 @@ def test_steps_per_call_free_running(example):
 def test_steps_per_call_must_divide_steps(example, capsys):
     for argv, message in [(["--steps", "6", "--steps-per-call", "4"],
                            "--steps (6) must be a multiple of --steps-per-call (4)"),
-                          (["--steps-per-call", "0"], "--steps-per-call must be >= 1, got 0")]:
+                          (["--steps-per-call", "0"], "--steps-per-call must be >= 1, got 0"),
+                          (["--steps", "4", "--steps-per-call", "4"],
+                           "--steps (4) must be at least twice --steps-per-call (4)")]:
         with pytest.raises(SystemExit) as e:
             example.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -620,17 +622,34 @@ def test_steps_per_call_must_divide_steps(example, capsys):
 
 
 def test_long_context_steps_per_call(example, capsys):
-    """Long-context mode with 3 steps a call: --warmup counts calls, so 2 x 3 + 2 x 3 new
-    tokens; the first call's first step has the logits of the one-step mode's first step."""
+    """Long-context mode with 3 steps a call: --warmup counts calls. One warm-up call of 3 steps
+    and 2 timed runs of 3 run the same 9 steps as 3 warm-up steps of one a call: the same pages
+    reserved, the same first and last logits (tokens fed back and lengths advanced alike)."""
     argv = [a for a in LONG_TINY if a != "--nvfp4-jnp"]
-    one = example.main(argv)
-    r = example.main(argv + ["--steps-per-call", "3"])
+    one = example.main(argv + ["--warmup", "3"])
+    capsys.readouterr()
+    r = example.main(argv + ["--warmup", "1", "--steps-per-call", "3"])
     out = capsys.readouterr().out
-    assert r["new_tokens"] == 12 and r["num_blocks"] == 2 * math.ceil((61 + 12) / 16)
-    assert re.search(r"^timing: 2 warm-up calls of 3 steps after compiling, then the median of "
+    assert r["new_tokens"] == one["new_tokens"] == 9
+    assert r["num_blocks"] == one["num_blocks"] == 2 * math.ceil((61 + 9) / 16)
+    assert re.search(r"^timing: 1 warm-up calls of 3 steps after compiling, then the median of "
                      r"2 runs of 3 steps \(3 a call\)", out, re.M), out
     for name in ("nvfp4", "bf16"):
-        run = r["runs"][name]
-        assert run["steps_run"] == 12 and len(run["step_ms_all"]) == 2
+        run, ref = r["runs"][name], one["runs"][name]
+        assert run["steps_run"] == ref["steps_run"] == 9 and len(run["step_ms_all"]) == 2
         assert run["caches_donated"] and run["hlo_cache_copies"] == 0 and run["logits_finite"]
-        np.testing.assert_array_equal(run["first_logits"], one["runs"][name]["first_logits"])
+        np.testing.assert_array_equal(run["first_logits"], ref["first_logits"])
+        np.testing.assert_array_equal(run["last_logits"], ref["last_logits"])
+
+
+def test_steps_per_call_checked_for_direct_callers(example):
+    """run and run_long_context check a Config built without parse_args: a --steps that the
+    calls do not divide would reserve fewer pages than the calls write (or time the wrong
+    number of steps)."""
+    for mode, run in [(False, example.run), (True, example.run_long_context)]:
+        cfg = example.Config(steps=5, steps_per_call=2, long_context=mode)
+        with pytest.raises(ValueError, match=r"--steps \(5\) must be a multiple of "
+                                             r"--steps-per-call \(2\)"):
+            run(cfg)
+    with pytest.raises(ValueError, match="--steps-per-call must be >= 1, got 0"):
+        example.run(example.Config(steps_per_call=0))
