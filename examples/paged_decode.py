@@ -366,6 +366,28 @@ def make_decode_step(cfg, kind, trace_counter, impl="auto"):
     return jax.jit(steps, donate_argnums=(1, 5))
 
 
+def decode_step_args(k, params, caches, scales, tokens, block_tables, seq_lens, forced=None):
+    """The arguments of one call of :func:`make_decode_step`'s function of ``k`` steps a call.
+    ``forced``: None, or the k steps' input tokens [k, B] (host), which replace ``tokens``."""
+    if k == 1:
+        if forced is not None:
+            tokens = jnp.asarray(forced[0])
+        return params, caches, scales, tokens, block_tables, seq_lens
+    return (params, caches, scales, tokens, block_tables, seq_lens,
+            None if forced is None else jnp.asarray(forced))
+
+
+def decode_step_outputs(k, outputs):
+    """One call's outputs (:func:`make_decode_step`, ``k`` steps a call) as (caches, seq_lens,
+    the next call's input tokens, tokens, logits): tokens [B] and logits [B, vocab] for k = 1,
+    [k, B] and [k, B, vocab] for k > 1."""
+    if k == 1:
+        (caches, seq_lens), (tokens, logits) = outputs
+        return caches, seq_lens, tokens, tokens, logits
+    (caches, seq_lens, last), (tokens, logits) = outputs
+    return caches, seq_lens, last, tokens, logits
+
+
 def make_ragged_step(cfg, trace_counter, impl="auto", max_q_len=None, name="ragged"):
     """The NVFP4 step over several tokens per sequence, compiled once for a fixed number of
     packed tokens: (params, caches, scales, tokens [T], positions [T], slot_mapping [T],
@@ -653,34 +675,26 @@ def decode(cfg, kind, params, caches, alloc, first_logits, scales, trace_counter
     t_first = None
     forced = None
     for i in range(0, cfg.steps, k):
-        if forced_tokens is not None and k == 1:
-            tokens = jnp.asarray(forced_tokens[:, i])
-        elif forced_tokens is not None:
-            forced = jnp.asarray(forced_tokens[:, i:i + k].T)
+        if forced_tokens is not None:
+            forced = forced_tokens[:, i:i + k].T
         old = caches
-        if k == 1:
-            (caches, seq_lens), (tokens, logits) = step(params, caches, step_scales, tokens,
-                                                        tables, seq_lens)
-        else:
-            (caches, seq_lens, last), (tokens, logits) = step(params, caches, step_scales,
-                                                              tokens, tables, seq_lens, forced)
+        caches, seq_lens, tokens, step_tokens, logits = decode_step_outputs(k, step(
+            *decode_step_args(k, params, caches, step_scales, tokens, tables, seq_lens, forced)))
         if i == 0:
             jax.block_until_ready(tokens)
             t_first = time.perf_counter() - t0
             t0 = time.perf_counter()
             donated = all(x.is_deleted() for x in jax.tree.leaves(old))
         del old
-        generated.append(tokens)
+        generated.append(step_tokens)
         all_logits.append(logits)
-        if k > 1:
-            tokens = last                      # the last step's tokens feed the next call
         progress.update()
     jax.block_until_ready((generated, caches))
     t_rest = time.perf_counter() - t0
     progress.close()
 
     # How the step compiled: donated caches show up as input/output aliases in the HLO.
-    args = (params, caches, step_scales, tokens, tables, seq_lens) + ((forced,) if k > 1 else ())
+    args = decode_step_args(k, params, caches, step_scales, tokens, tables, seq_lens, forced)
     traces = trace_counter[kind]
     hlo = step.lower(*args).compile().as_text()
     header = hlo.split("\n", 1)[0]
@@ -1227,8 +1241,8 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     k = cfg.steps_per_call
     stage(cfg, f"{label}: compiling the decode step" + (f" ({k} steps a call)" if k > 1 else ""))
     t0 = time.perf_counter()
-    compiled = step.lower(params, caches, scales, tokens, tables_d, lens_d,
-                          *((None,) if k > 1 else ())).compile()
+    compiled = step.lower(*decode_step_args(k, params, caches, scales, tokens, tables_d,
+                                            lens_d)).compile()
     compile_s = time.perf_counter() - t0
     hlo = compiled.as_text()
     kernel_calls = hlo.count(f'custom_call_target="{_DECODE_TARGET}"')
@@ -1237,12 +1251,8 @@ def time_long_context(cfg, kind, params, plan, impl="auto"):
     def call(caches, tokens, lens_d):
         """One call: k steps; returns the state and the logits ([B, vocab], or [k, B, vocab]
         for k > 1: reshaped on the host, so the timed loop dispatches nothing more)."""
-        if k == 1:
-            (caches, lens_d), (tokens, logits) = compiled(params, caches, scales, tokens,
-                                                          tables_d, lens_d)
-            return caches, tokens, lens_d, logits
-        (caches, lens_d, tokens), (_, logits) = compiled(params, caches, scales, tokens,
-                                                         tables_d, lens_d, None)
+        caches, lens_d, tokens, _, logits = decode_step_outputs(k, compiled(
+            *decode_step_args(k, params, caches, scales, tokens, tables_d, lens_d)))
         return caches, tokens, lens_d, logits
 
     # Call 0 (warm-up): checks donation and keeps its first step's logits (the same in every
