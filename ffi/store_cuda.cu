@@ -109,10 +109,6 @@ template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
                 bool aligned_data) {
-  // g = 1/scale and its use in every block: one division per CTA when all layers share the
-  // scales (the common case), not one per thread.
-  __shared__ StoreFactor shared_factor[2];
-  const bool shared_scales = p.scales_layer_stride == 0;
   const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = work < num_work;
   const WorkItem w = work_item<kBlocks>(shape, live ? work : 0u);
@@ -122,12 +118,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
 #pragma unroll
   for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
 
-  if (shared_scales) {
-    if (threadIdx.x < 2) shared_factor[threadIdx.x] = p.factor(0, int(threadIdx.x));
-    __syncthreads();
-  }
+  // g = 1/scale for the item's layer and side, worked out by each thread (a warp's lanes load
+  // one or two words: broadcasts): no CTA barrier, so no warp waits for another's load and
+  // divisions (store v16; one division a CTA behind a __syncthreads before, benchmarks/NOTES.md).
   if (slot < 0) return;
-  const StoreFactor factor = shared_scales ? shared_factor[w.side] : p.factor(w.layer, w.side);
+  const StoreFactor factor = p.factor(w.layer, w.side);
   store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, aligned_data);
 }
 
