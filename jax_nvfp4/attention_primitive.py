@@ -59,6 +59,13 @@ _MERGE_COST = 256               # the merge kernel, in positions per wave of its
 _MERGE_ROWS_PER_SM = 16         # merge blocks (one per row, 128 threads) an SM holds at once
 _DEFAULT_CTAS_PER_SM = 3        # when the GPU cannot be asked (ffi/decode_cuda.cu, kMinCtasPerSm)
 _CLUSTER_MERGE_COST = 32        # the merge inside a cluster (two cluster barriers), in positions
+# A batch's lengths are not in its shapes, and a ragged batch finishes when its longest CTA
+# does: of the plans within _NEAR_COST of the best modelled cost (every sequence as long as the
+# table), the decode plan takes the most splits that keep _SHORT_SPLIT_TOKENS positions or more
+# each. H200, ragged32 (32 lengths in 1..32768): 2 splits 360.7 µs, 8 splits of 4096 257.6;
+# the full 32 x 32768 431.6 against 432.7 (benchmarks/NOTES.md, "Splits for ragged batches").
+_NEAR_COST = 0.03
+_SHORT_SPLIT_TOKENS = 4096
 
 if _ffi.built_with_cuda():
     jax.ffi.register_ffi_target(DECODE_TARGET, _ffi.decode_registrations()["CUDA"],
@@ -255,12 +262,14 @@ def plan_splits(stacked: int, batch: int, num_kv_heads: int, num_q_heads: int,
     units = decode_units(stacked, batch, num_kv_heads, num_q_heads)
     return plan_splits_for_units(units, max_tokens, sm_count, ctas_per_sm, _TOKENS_PER_CTA_STEP,
                                  merge_rows=stacked * batch * num_q_heads,
-                                 cluster_splits=cluster_splits)
+                                 cluster_splits=cluster_splits,
+                                 short_splits_from=_SHORT_SPLIT_TOKENS)
 
 
 def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_sm: int,
                           step: int, *, merge_rows: int,
-                          cluster_splits: int = 0) -> tuple[int, int]:
+                          cluster_splits: int = 0,
+                          short_splits_from: int = 0) -> tuple[int, int]:
     """The split-KV plan of ``units`` CTAs' worth of work over up to ``max_tokens`` positions
     each: ``(num_splits, tokens_per_split)``, ``tokens_per_split`` a multiple of ``step``.
 
@@ -273,11 +282,16 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     only where the splits gain more than that; where :func:`merges_in_cluster` says so, the
     splits merge inside their cluster instead, for a small fixed cost. At most one split per
     256 positions, and at most 256 splits.
+
+    With ``short_splits_from`` > 0, of the plans whose cost is within 3% of the least, the one
+    with the most splits of at least ``short_splits_from`` positions each (if it has more than
+    the cheapest): the model assumes full-length sequences, and in a ragged batch shorter splits
+    shorten the longest CTA, which a ragged batch waits for.
     """
     slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)
     merge = _MERGE_COST * max(-(-merge_rows // max(sm_count * _MERGE_ROWS_PER_SM, 1)), 1)
-    best = None
+    plans = []
     for wanted in range(1, max(1, min(_MAX_SPLITS, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))) + 1):
         per_split = -(-max_tokens // wanted)
         per_split = -(-per_split // step) * step
@@ -289,9 +303,12 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
             merged = _CLUSTER_MERGE_COST
         else:
             merged = merge
-        cost = waves * (per_split + _CTA_START_COST) + merged
-        if best is None or cost < best[0]:
-            best = (cost, splits, per_split)
+        plans.append((waves * (per_split + _CTA_START_COST) + merged, splits, per_split))
+    best = min(plans, key=lambda plan: plan[0])  # the first of equal costs: the fewest splits
+    if short_splits_from > 0:
+        near = [plan for plan in plans if plan[0] <= best[0] * (1 + _NEAR_COST)
+                and plan[2] >= short_splits_from and plan[1] > best[1]]
+        best = max(near, key=lambda plan: plan[1], default=best)
     return best[1], best[2]
 
 

@@ -492,12 +492,14 @@ def test_cpu_grouped_return_lse_equals_plain(layout, groups):
 #: CTAs), cost 2688 + 128 + 256 = 3072, while 64 splits of 2048 need two waves (cost 4608).
 #: (128, 1024): 1024 CTAs already need 3 waves; splitting only adds waves: one split.
 #: (128, 4096): 4096 rows to merge are two merge waves (512), so 3 splits (8 waves x 1536 +
-#: 512 = 12800) lose to one (3 waves x 4224 = 12672).
+#: 512 = 12800) lose to one (3 waves x 4224 = 12672). (32, 32768): 3 splits of 11008 cost
+#: 2 x 11136 + 256 = 22528, the least; 6 splits of 5504 (4 waves of 1536 CTAs) 4 x 5632 + 256
+#: = 22784, within 3% and of splits >= 4096 positions: the shorter splits are taken.
 BENCHMARK_PLANS = {
     (1, 131072): (49, 2688),
     (8, 32768): (6, 5504),
     (32, 8192): (3, 2816),
-    (32, 32768): (3, 11008),
+    (32, 32768): (6, 5504),
     (128, 1024): (1, 1024),
     (128, 4096): (1, 4096),
 }
@@ -551,6 +553,35 @@ def test_plan_splits_hand_checked():
     assert ap.plan_splits(1, 1, 1, 1, 10 ** 6, 132) == (253, 3968)
     # Stacking members multiplies the work like the batch does.
     assert ap.plan_splits(4, 2, 8, 32, 32768, 132) == ap.plan_splits(1, 8, 8, 32, 32768, 132)
+
+
+def test_plan_splits_prefers_short_splits_at_near_cost():
+    """The decode plan takes more, shorter splits (>= 4096 positions each) where they cost
+    within 3% of the cheapest plan, since a ragged batch waits for its longest CTA; the
+    ragged kernels' plans (``plan_splits_for_units`` without ``short_splits_from``) keep the
+    cheapest. H200 (132 SMs x 4 CTAs, head size 128), 256 CTAs a split: 32 x 32768 costs
+    16384 + 128 + 256 = 16768 with 2 splits (one wave of 512 CTAs) and 4 x (4096 + 128) + 256
+    = 17152 with 8 (+2.3%): 8 splits of 4096, measured even on the full batch and 29% faster
+    on 32 lengths uniform in 1..32768 (benchmarks/NOTES.md). At 31824 positions (that ragged
+    batch's table) 8 splits cost 4.7% more: 6 of 5376 (3 x 5504 + 256 = 16768, +2.3%) are
+    taken. At 32 x 8192 the cheapest, 2 splits of 4096, stays (4 splits of 2048 are too
+    short, and measured 4% slower)."""
+    assert ap.plan_splits(1, 32, 8, 32, 32768, 132, 4) == (8, 4096)
+    assert ap.plan_splits(1, 32, 8, 32, 31824, 132, 4) == (6, 5376)
+    assert ap.plan_splits(1, 32, 8, 32, 8192, 132, 4) == (2, 4096)
+    units = ap.decode_units(1, 32, 8, 32)
+    assert ap.plan_splits_for_units(units, 32768, 132, 4, 128, merge_rows=32 * 32) == (2, 16384)
+    assert ap.plan_splits_for_units(units, 32768, 132, 4, 128, merge_rows=32 * 32,
+                                    short_splits_from=4096) == (8, 4096)
+    # Never more splits than positions allow, nor splits shorter than asked for.
+    for max_tokens in (4096, 8191, 20000, 65536, 131072):
+        for batch in (1, 8, 32, 64, 128):
+            cheapest = ap.plan_splits_for_units(ap.decode_units(1, batch, 8, 32), max_tokens,
+                                                132, 4, 128, merge_rows=batch * 32)
+            splits, per_split = ap.plan_splits(1, batch, 8, 32, max_tokens, 132, 4)
+            _check_plan((splits, per_split), max_tokens)
+            assert (splits, per_split) == cheapest or (per_split >= 4096
+                                                       and splits > cheapest[0])
 
 
 def test_plan_splits_with_cluster_merges():
