@@ -972,13 +972,16 @@ def _reader_note(cfg, platform):
         if cfg.random_weights:
             return note
         # Profiled on an H200 (benchmarks/RESULTS.md, "The example on the H200"): the trained
-        # model's NVFP4 step takes ~0.7x the bf16 step's device time; both steps' wall time was
-        # the host's (dispatch, the step's input transfers, XLA's command-buffer updates, which
-        # cost more for the NVFP4 step's custom calls). With the loop's inputs on the device
-        # since (2026-12-04, 200 steps): 20,956 NVFP4 against 25,677 bf16 tokens/s, both steps
-        # still updating their command buffer every step (benchmarks/NOTES.md).
-        return (note + "; a step of a model this small is bound by the host, not by the "
-                "cache: see --long-context and benchmarks/")
+        # model's NVFP4 step takes ~0.7x the bf16 step's device time; with one step a call
+        # both steps' wall time is the host's (dispatch and XLA's command-buffer update, once a
+        # call). 200 steps, 2026-12-04: one step a call NVFP4 11,352 against bf16 17,510
+        # tokens/s; 8 a call 33,340 against 25,107 (benchmarks/NOTES.md).
+        if cfg.steps_per_call == 1:
+            return (note + "; with one step a call a model this small is bound by the host's "
+                    "dispatch, not by the cache: --steps-per-call N runs N steps a call (see "
+                    "also --long-context and benchmarks/)")
+        return (note + f"; {cfg.steps_per_call} steps a call, one host dispatch each (with "
+                "one step a call a model this small is bound by the host, not by the cache)")
     return (f"  on {platform} the NVFP4 reader is the jnp path (it dequantises the pages it "
             f"reads; the fused CUDA kernel runs on a GPU), so these tokens/s say little about a "
             f"GPU: see --long-context and benchmarks/")
@@ -1452,6 +1455,24 @@ def _check_config(cfg: Config):
         raise ValueError("; ".join(problems))
 
 
+#: The most decode steps a call that the command line picks by itself (``--steps-per-call``
+#: not given). On an H200 the trained model's NVFP4 decode ran at 0.65x the bf16 decode's
+#: tokens/s with one step a call and at 1.33x with 8 (200 steps, 2026-12-04): a step of this
+#: model is bound by the host's dispatch, and a call of 8 steps pays it once
+#: (benchmarks/NOTES.md, "The example's decode step").
+AUTO_MAX_STEPS_PER_CALL = 8
+
+
+def auto_steps_per_call(steps: int) -> int:
+    """``--steps-per-call`` when the command line does not give it, outside ``--long-context``
+    (whose default is 1): the largest N <= 8 that divides ``steps`` and is at most half of it
+    (the first call compiles and is not timed); 1 if no larger N does. (``--long-context``'s
+    model is large enough for its step not to be the host's: 2.436 ms a step at one step a
+    call, 2.380 at 10, H200.)"""
+    return max((n for n in range(1, AUTO_MAX_STEPS_PER_CALL + 1)
+                if n <= steps // 2 and steps % n == 0), default=1)
+
+
 def config_problems(cfg: Config) -> list:
     """What is wrong with a configuration, one message per problem (empty: it runs)."""
     problems = []
@@ -1507,10 +1528,13 @@ def parse_args(argv=None) -> Config:
                    metavar="N", help=f"prompt lengths in tokens, cycled over the batch (default "
                                      f"{' '.join(map(str, d.prompt_lens))})")
     sized("--steps", "decode steps (with --long-context: timed steps per repeat)")
-    p.add_argument("--steps-per-call", type=int, default=d.steps_per_call, metavar="N",
+    p.add_argument("--steps-per-call", type=int, default=None, metavar="N",
                    help=f"decode steps per jitted call, run on the device as a lax.scan (one "
                         f"host dispatch for N tokens a sequence; --steps a multiple of it; with "
-                        f"--long-context --warmup counts calls) (default {d.steps_per_call})")
+                        f"--long-context --warmup counts calls) (default: the largest N <= "
+                        f"{AUTO_MAX_STEPS_PER_CALL} that divides --steps and is at most half of "
+                        f"it, {auto_steps_per_call(d.steps)} for the default {d.steps} steps; "
+                        f"{d.steps_per_call} with --long-context)")
     sized("--prefill-chunk", "prompt tokens per sequence in each chunked-prefill step of the "
                              "NVFP4 run")
     sized("--draft-tokens", "tokens per sequence of the speculative-decoding verify step (at "
@@ -1575,7 +1599,9 @@ def parse_args(argv=None) -> Config:
                  random_weights=random_weights,
                  scale_search=a.scale_search, extra_blocks=a.extra_blocks,
                  teacher_force=a.teacher_force, seed=a.seed, progress=not a.no_progress,
-                 steps_per_call=a.steps_per_call,
+                 steps_per_call=(a.steps_per_call if a.steps_per_call is not None
+                                 else d.steps_per_call if a.long_context
+                                 else auto_steps_per_call(size["steps"])),
                  verbose=a.verbose,
                  long_context=a.long_context, repeats=a.repeats, warmup=a.warmup,
                  nvfp4_jnp=a.nvfp4_jnp, **size)

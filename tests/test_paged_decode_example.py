@@ -22,7 +22,9 @@ import jax_nvfp4
 TINY = ["--batch", "4", "--prompt-lens", "3", "7", "8", "21", "--steps", "16", "--layers", "2",
         "--d-model", "64", "--num-q-heads", "8", "--num-kv-heads", "2", "--head-size", "64",
         "--mlp", "128", "--vocab", "256", "--block-size", "8", "--seed", "0", "--no-progress",
-        "--random-weights", "--prefill-chunk", "5"]
+        "--random-weights", "--prefill-chunk", "5", "--steps-per-call", "1"]
+# (One decode step a call, as the tests below take it; without the option the command line
+# picks several, auto_steps_per_call: test_steps_per_call_default.)
 
 # Greedy agreement of the NVFP4 run with the bf16 run, teacher-forced (the NVFP4 run is fed the
 # bf16 run's tokens, so every one of the 4 x 17 choices, the prefill's token and 16 decode steps,
@@ -393,7 +395,7 @@ def _positive(x):
 def test_long_context_options(example):
     """--long-context changes the defaults of the sizes it uses; given options win; the default
     mode's configuration is untouched."""
-    assert example.parse_args([]) == example.Config()
+    assert example.parse_args([]) == example.Config(steps_per_call=8)   # 48 steps, 8 a call
     cfg = example.parse_args(["--long-context"])
     assert (cfg.long_context, cfg.batch, cfg.context, cfg.layers, cfg.num_q_heads,
             cfg.num_kv_heads, cfg.head_size, cfg.block_size) == (True, 32, 32768, 4, 32, 8, 128, 16)
@@ -523,7 +525,8 @@ def test_default_run_on_the_trained_model(example, capsys):
     r = example.main(["--no-progress"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("NVFP4 vs bf16 paged KV cache: 4 layers, 2 kv heads x 64, batch "
-                               "4, 48 decode steps on cpu (trained byte-level model, 3.8M "
+                               "4, 48 decode steps (8 a call) on cpu (trained byte-level "
+                               "model, 3.8M "
                                "parameters, "), lines[0]
     assert re.fullmatch(r"  nvfp4: +[\d,.]+ tokens/s, +576 B of cache per token -> 3\.56x the "
                         r"context of bf16 in the same memory", lines[1]), lines[1]
@@ -607,6 +610,25 @@ def test_steps_per_call_free_running(example):
         np.testing.assert_array_equal(two[f"logits_{kind}"], one[f"logits_{kind}"])
         assert two[f"tokens_{kind}"].shape == (4, 7)
     assert math.isfinite(two["tokens_per_s"]["nvfp4"]) and two["tokens_per_s"]["nvfp4"] > 0
+
+
+def test_steps_per_call_default(example):
+    """Without --steps-per-call the command line runs the largest N <= 8 steps a call that
+    divides --steps and is at most half of it (the first call, which compiles, is untimed);
+    --long-context and a Config built directly keep one step a call."""
+    auto = example.auto_steps_per_call
+    assert [auto(n) for n in (1, 2, 7, 16, 48, 100, 200, 9)] == [1, 1, 1, 8, 8, 5, 8, 3]
+    no_k = [a for a in TINY if a not in ("--steps-per-call", "1")]
+    assert len(no_k) == len(TINY) - 2
+    assert example.parse_args(no_k).steps_per_call == 8                    # --steps 16
+    assert example.parse_args(no_k + ["--steps", "6"]).steps_per_call == 3
+    assert example.parse_args(no_k + ["--steps", "6", "--steps-per-call", "2"]).steps_per_call == 2
+    assert example.parse_args([]).steps_per_call == 8                     # 48 steps
+    assert example.parse_args(["--long-context"]).steps_per_call == 1     # its own default
+    assert example.parse_args(["--long-context", "--steps-per-call", "5"]).steps_per_call == 5
+    assert example.Config().steps_per_call == 1
+    for argv in ([], ["--long-context"]):
+        assert example.config_problems(example.parse_args(argv)) == []
 
 
 def test_steps_per_call_must_divide_steps(example, capsys):
