@@ -4,13 +4,16 @@ and JAX's Pallas paged attention), dense attention and the memory ceiling.
     python benchmarks/attention_bench.py              # the full grid (GPU); JSON + markdown + PNG
     python benchmarks/attention_bench.py --quick      # a tiny grid, a smoke run (works on CPU)
     python benchmarks/attention_bench.py --only kernel,bf16 --points 32x32768,ragged32 --repeats 5
+    python benchmarks/attention_bench.py --only kernel --points 64x32768,ragged64x16384  # off the grid
 
 Grid: (batch, context) = (1, 4096), (1, 131072), (8, 4096), (8, 8192), (8, 32768), (32, 8192),
 (32, 32768), (64, 1024), (128, 1024), (128, 4096) (by batch, then context; (1, 4096),
 (8, 4096), (8, 8192) and (64, 1024) are serving points: at 1x4096 and 8x4096 the NVFP4 pages,
 4.7 and 37.7 MB, are of the size of a Hopper GPU's L2 cache (50 MB on the H100), so chained
 calls may read them from L2 and pass the copy ceiling) and one ragged batch of 32 sequences
-with lengths drawn from 1..32768 (seed 0, block table as wide as the longest); 32 query heads
+with lengths drawn from 1..32768 (seed 0, block table as wide as the longest); ``--points``
+also takes points off the grid by name, ``BxC`` and ``raggedN`` or ``raggedNxL`` (N lengths drawn
+from 1..L, 32768 by default, as the grid's ragged batch is; the same seed); 32 query heads
 over 8 kv heads, head size 128, pages of 16 tokens, HND, swizzled V scales. Methods, all in one
 run: ``kernel`` (jax_nvfp4.paged_attention, impl="auto": the fused CUDA kernel on a GPU),
 ``jnp`` (impl="jnp": gathers every page of a row, dequantises to float32, attends; skipped where
@@ -61,6 +64,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
+import re
 import statistics
 import sys
 import time
@@ -137,20 +141,37 @@ def _ready(x):
 def make_points(quick, seed):
     regular, (n_ragged, longest) = ((QUICK_POINTS, QUICK_RAGGED) if quick
                                     else (FULL_POINTS, FULL_RAGGED))
-    points = [{"name": f"{b}x{c}", "batch": b, "lens": np.full(b, c, np.int64)}
-              for b, c in regular]
-    lens = np.random.default_rng(seed).integers(1, longest, size=n_ragged, endpoint=True)
-    points.append({"name": f"ragged{n_ragged}", "batch": n_ragged, "lens": lens})
-    for p in points:
-        p["context"] = int(p["lens"].max())
-        p["pages"] = -(-p["lens"] // BLOCK_SIZE)
-        p["tokens"] = int(p["lens"].sum())
-        p["nvfp4_bytes"] = int(p["pages"].sum()) * 2 * NUM_KV_HEADS * BLOCK_SIZE \
-            * nv_layout.head_bytes(HEAD_SIZE)
-        p["bf16_bytes"] = p["tokens"] * NUM_KV_HEADS * HEAD_SIZE * 2 * 2
-        p["padded_tokens"] = p["batch"] * int(p["pages"].max()) * BLOCK_SIZE
-        p["q_out_bytes"] = 2 * p["batch"] * NUM_Q_HEADS * HEAD_SIZE * 2
-    return points
+    return ([_point(f"{b}x{c}", np.full(b, c, np.int64)) for b, c in regular]
+            + [_ragged_point(n_ragged, longest, seed, f"ragged{n_ragged}")])
+
+
+def named_point(name, seed):
+    """A point off the grid, by its name: ``BxC`` (B sequences of C tokens) or ``raggedN``
+    (N lengths drawn from 1..32768 as the grid's ragged batch is) or ``raggedNxL`` (from 1..L);
+    None for any other name."""
+    if m := re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", name):
+        return _point(name, np.full(int(m[1]), int(m[2]), np.int64))
+    if m := re.fullmatch(r"ragged([1-9]\d*)(?:x([1-9]\d*))?", name):
+        return _ragged_point(int(m[1]), int(m[2] or FULL_RAGGED[1]), seed, name)
+    return None
+
+
+def _ragged_point(n, longest, seed, name):
+    lens = np.random.default_rng(seed).integers(1, longest, size=n, endpoint=True)
+    return _point(name, lens)
+
+
+def _point(name, lens):
+    """A point's sizes from its sequence lengths (the block table as wide as the longest)."""
+    pages = -(-lens // BLOCK_SIZE)
+    tokens = int(lens.sum())
+    return {"name": name, "batch": len(lens), "lens": lens, "context": int(lens.max()),
+            "pages": pages, "tokens": tokens,
+            "nvfp4_bytes": int(pages.sum()) * 2 * NUM_KV_HEADS * BLOCK_SIZE
+            * nv_layout.head_bytes(HEAD_SIZE),
+            "bf16_bytes": tokens * NUM_KV_HEADS * HEAD_SIZE * 2 * 2,
+            "padded_tokens": len(lens) * int(pages.max()) * BLOCK_SIZE,
+            "q_out_bytes": 2 * len(lens) * NUM_Q_HEADS * HEAD_SIZE * 2}
 
 
 def jnp_memory_estimate(point, method):
@@ -909,8 +930,13 @@ def main(argv=None):
     args.ceiling_bytes = int((args.ceiling_gib or (1 / 16 if quick else 2)) * GiB)
     points = make_points(quick, args.seed)
     if args.points:
-        wanted = _csv(args.points, [p["name"] for p in points], "point")
-        points = [p for p in points if p["name"] in wanted]
+        grid = {p["name"]: p for p in points}
+        wanted = list(dict.fromkeys(_csv(args.points, None, "point")))
+        points = [grid.get(name) or named_point(name, args.seed) for name in wanted]
+        bad = [name for name, point in zip(wanted, points) if point is None]
+        if bad:
+            p.error(f"unknown point: {', '.join(bad)} (the grid's: {', '.join(grid)}; or BxC, "
+                    f"raggedN, raggedNxL)")
     args.points = points
     os.makedirs(args.out, exist_ok=True)
     result = run(args)

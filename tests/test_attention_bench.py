@@ -82,6 +82,37 @@ def test_full_grid_has_the_serving_points_in_order(bench):
                      "64x1024", "128x1024", "128x4096", "ragged32"]  # by batch, then context
 
 
+def test_points_off_the_grid_by_name(bench):
+    """--points takes BxC and raggedN / raggedNxL off the grid: raggedN draws its lengths as the
+    grid's ragged batch does (ragged32 is the grid's own), raggedNxL from 1..L; other names are
+    none of these."""
+    grid = {p["name"]: p for p in bench.make_points(False, 0)}
+    for name in ("ragged32", "32x32768", "1x4096"):
+        named, ours = bench.named_point(name, 0), grid[name]
+        assert named.keys() == ours.keys()
+        for key, value in ours.items():
+            assert np.array_equal(named[key], value), (name, key)
+    p = bench.named_point("3x1000", 0)
+    assert (p["batch"], p["context"], p["tokens"]) == (3, 1000, 3000)
+    assert p["pages"].tolist() == [63] * 3 and p["padded_tokens"] == 3 * 63 * 16
+    assert p["nvfp4_bytes"] == 3 * 63 * 2 * 8 * 16 * 72 and p["bf16_bytes"] == 3000 * 8 * 128 * 4
+    r = bench.named_point("ragged16x8192", 1)
+    assert r["batch"] == 16 and 1 <= r["lens"].min() and r["lens"].max() <= 8192
+    assert r["tokens"] == int(r["lens"].sum()) and r["context"] == int(r["lens"].max())
+    assert not np.array_equal(r["lens"], bench.named_point("ragged16x8192", 2)["lens"])
+    assert len(bench.named_point("ragged7", 0)["lens"]) == 7
+    for bad in ("x4096", "0x4096", "4x0", "ragged", "ragged0", "ragged4x", "4096", "32x32768 "):
+        assert bench.named_point(bad, 0) is None, bad
+
+
+def test_unknown_points_are_refused_by_name(bench, capsys):
+    with pytest.raises(SystemExit) as info:
+        bench.main(["--quick", "--points", "2x512,nope,ragged0"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown point: nope, ragged0" in err and "raggedNxL" in err, err
+
+
 def _is_power_of_2(n):
     return n > 0 and n & (n - 1) == 0
 
