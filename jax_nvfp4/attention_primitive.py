@@ -62,8 +62,10 @@ _CLUSTER_MERGE_COST = 32        # the merge inside a cluster (two cluster barrie
 # A batch's lengths are not in its shapes, and a ragged batch finishes when its longest CTA
 # does: of the plans within _NEAR_COST of the best modelled cost (every sequence as long as the
 # table), the decode plan takes the most splits that keep _SHORT_SPLIT_TOKENS positions or more
-# each. H200, ragged32 (32 lengths in 1..32768): 2 splits 360.7 µs, 8 splits of 4096 257.6;
-# the full 32 x 32768 431.6 against 432.7 (benchmarks/NOTES.md, "Splits for ragged batches").
+# each. H200, forced split counts: ragged32 (32 lengths in 1..32768, a table of 31824
+# positions) 360.7 µs with the cheapest plan's 2 splits, 264.2 with the 6 this rule picks; the
+# full 32 x 32768 432.7 with 2, 431.6 with this rule's 8 (benchmarks/NOTES.md, "Splits for
+# ragged batches").
 _NEAR_COST = 0.03
 _SHORT_SPLIT_TOKENS = 4096
 
@@ -283,10 +285,10 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     splits merge inside their cluster instead, for a small fixed cost. At most one split per
     256 positions, and at most 256 splits.
 
-    With ``short_splits_from`` > 0, of the plans whose cost is within 3% of the least, the one
-    with the most splits of at least ``short_splits_from`` positions each (if it has more than
-    the cheapest): the model assumes full-length sequences, and in a ragged batch shorter splits
-    shorten the longest CTA, which a ragged batch waits for.
+    With ``short_splits_from`` > 0, of the plans whose cost is within ``_NEAR_COST`` (3%) of
+    the least, the one with the most splits of at least ``short_splits_from`` positions each
+    (if it has more than the cheapest): the model assumes full-length sequences, and in a
+    ragged batch shorter splits shorten the longest CTA, which a ragged batch waits for.
     """
     slots = max(sm_count * ctas_per_sm, 1)
     max_tokens = max(max_tokens, 1)

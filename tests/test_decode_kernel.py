@@ -561,10 +561,10 @@ def test_plan_splits_prefers_short_splits_at_near_cost():
     ragged kernels' plans (``plan_splits_for_units`` without ``short_splits_from``) keep the
     cheapest. H200 (132 SMs x 4 CTAs, head size 128), 256 CTAs a split: 32 x 32768 costs
     16384 + 128 + 256 = 16768 with 2 splits (one wave of 512 CTAs) and 4 x (4096 + 128) + 256
-    = 17152 with 8 (+2.3%): 8 splits of 4096, measured even on the full batch and 29% faster
-    on 32 lengths uniform in 1..32768 (benchmarks/NOTES.md). At 31824 positions (that ragged
-    batch's table) 8 splits cost 4.7% more: 6 of 5376 (3 x 5504 + 256 = 16768, +2.3%) are
-    taken. At 32 x 8192 the cheapest, 2 splits of 4096, stays (4 splits of 2048 are too
+    = 17152 with 8 (+2.3%): 8 splits of 4096, measured even on the full batch. At 31824
+    positions (the table of the benchmark's 32 lengths uniform in 1..32768) 8 splits cost 4.7%
+    more: 6 of 5376 (3 x 5504 + 256 = 16768, +2.3%) are taken, measured 27% faster there than
+    the cheapest plan's 2 (benchmarks/NOTES.md). At 32 x 8192 the cheapest, 2 splits of 4096, stays (4 splits of 2048 are too
     short, and measured 4% slower)."""
     assert ap.plan_splits(1, 32, 8, 32, 32768, 132, 4) == (8, 4096)
     assert ap.plan_splits(1, 32, 8, 32, 31824, 132, 4) == (6, 5376)
