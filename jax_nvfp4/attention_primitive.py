@@ -295,9 +295,7 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
     merge = _MERGE_COST * max(-(-merge_rows // max(sm_count * _MERGE_ROWS_PER_SM, 1)), 1)
     plans = []
     for wanted in range(1, max(1, min(_MAX_SPLITS, -(-max_tokens // _MIN_TOKENS_PER_SPLIT))) + 1):
-        per_split = -(-max_tokens // wanted)
-        per_split = -(-per_split // step) * step
-        splits = -(-max_tokens // per_split)
+        splits, per_split = split_evenly(max_tokens, wanted, step)
         waves = -(-(units * splits) // slots)
         if splits == 1:
             merged = 0
@@ -312,6 +310,15 @@ def plan_splits_for_units(units: int, max_tokens: int, sm_count: int, ctas_per_s
                 and plan[2] >= short_splits_from and plan[1] > best[1]]
         best = max(near, key=lambda plan: plan[1], default=best)
     return best[1], best[2]
+
+
+def split_evenly(max_tokens: int, wanted: int, step: int) -> tuple[int, int]:
+    """``max_tokens`` positions (at least 1) cut into about ``wanted`` splits: ``(num_splits,
+    tokens_per_split)``, each split a multiple of ``step`` and none past the end (so
+    ``num_splits`` may come out below ``wanted``)."""
+    per_split = -(-max(max_tokens, 1) // wanted)
+    per_split = -(-per_split // step) * step
+    return -(-max(max_tokens, 1) // per_split), per_split
 
 
 def merges_in_cluster(units: int, splits: int, sm_count: int, cluster_splits: int) -> bool:
