@@ -68,6 +68,9 @@ NB_MODULE(_ffi, m) {
   m.def("_e4m3_mismatches_cuda", &nvfp4::E4m3MismatchesCuda,
         "The hardware's e4m3 conversions (the store's with NVFP4_HW_E4M3) on the current GPU "
         "against the software's, every float and byte (-1 if CUDA failed).");
+  m.def("_e2m1_to_f16_mismatches_cuda", &nvfp4::E2m1ToF16MismatchesCuda,
+        "The attention kernels' E2M1 -> fp16 code conversion on the current GPU against the "
+        "spec's values, every 32-bit word of eight codes (-1 if CUDA failed).");
   m.def("decode_resident_ctas_per_sm", &nvfp4::DecodeResidentCtasPerSm,
         "CTAs of the decode kernel for a head size resident on one SM of the current GPU.");
   m.def("decode_cluster_merge_splits", &nvfp4::DecodeClusterMergeSplits,

@@ -124,4 +124,30 @@ __device__ __forceinline__ void copy_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" :: "n"(kPending) : "memory");
 }
 
+// The self-checks: how many of the 2^32 bit patterns u of a 32-bit word (a float, or eight E2M1
+// codes) a rule fails on (differs(u): 0 or 1). -1 if CUDA failed.
+template <typename Differs>
+__global__ void Every32BitsKernel(unsigned long long* mismatches, Differs differs) {
+  unsigned long long local = 0;
+  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull;
+       u += uint64_t(gridDim.x) * blockDim.x)
+    local += differs(uint32_t(u));
+  atomicAdd(mismatches, local);
+}
+
+template <typename Differs>
+int64_t CountOnEvery32Bits(Differs differs) {
+  unsigned long long* count = nullptr;
+  if (cudaMalloc(&count, sizeof(*count)) != cudaSuccess) return -1;
+  unsigned long long host = 0;
+  bool ok = cudaMemset(count, 0, sizeof(*count)) == cudaSuccess;
+  if (ok) {
+    Every32BitsKernel<<<1024, 256>>>(count, differs);
+    ok = cudaGetLastError() == cudaSuccess &&
+         cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost) == cudaSuccess;
+  }
+  cudaFree(count);
+  return ok ? int64_t(host) : -1;
+}
+
 }  // namespace nvfp4

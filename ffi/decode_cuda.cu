@@ -460,6 +460,27 @@ ffi::Error DecodeCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::Buffer<ffi::U8
   return ffi::Error::Success();
 }
 
+// The attention kernels' code conversion (e2m1x8_to_f16x2) on word u of eight codes against
+// the spec's values (docs/format.md §1): output i in its documented place, exactly
+// e2m1_magnitude(code) * 2^-14 with the code's sign (-0 included).
+struct E2m1ToF16Differs {
+  __device__ bool operator()(uint32_t u) const {
+    uint32_t r[4];
+    e2m1x8_to_f16x2(u, r);
+    constexpr int kWord[8] = {0, 2, 1, 3, 0, 2, 1, 3}, kHalf[8] = {0, 0, 0, 0, 1, 1, 1, 1};
+    bool differs = false;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code = (u >> (4 * i)) & 0xFu;
+      const uint16_t half = uint16_t(r[kWord[i]] >> (16 * kHalf[i]));
+      const float magnitude = e2m1_magnitude(uint8_t(code)) * 0x1p-14f;  // exact
+      const float got = __half2float(__ushort_as_half(half));
+      differs |= fabsf(got) != magnitude || (half >> 15) != (code >> 3);
+    }
+    return differs;
+  }
+};
+
 template <int kHead>
 int ResidentCtas() {
   return ResidentCtasPerSm<DecodeKernel<kHead, true, Layout::kHND>>(kThreads,
@@ -484,6 +505,8 @@ int DecodeClusterMergeSplits(int head_size) {
   return WithHeadSize(
       head_size, [](auto head) { return ClusterMergeSplitsFor<decltype(head)::value>(); }, 0);
 }
+
+int64_t E2m1ToF16MismatchesCuda() { return CountOnEvery32Bits(E2m1ToF16Differs{}); }
 
 int DecodeResidentCtasPerSm(int head_size) {
   return WithHeadSize(head_size, [](auto head) { return ResidentCtas<decltype(head)::value>(); },

@@ -18,6 +18,10 @@ int64_t E2m1CodeMismatchesCuda();
 // NVFP4_HW_E4M3), and every byte through its decoding, against the software conversions
 // (nvfp4_numerics.h): the number that differ, or -1 if CUDA failed.
 int64_t E4m3MismatchesCuda();
+// Every 32-bit word of eight E2M1 codes through the attention kernels' conversion to fp16
+// (attention_device.cuh, e2m1x8_to_f16x2) against the spec's values, on the current GPU: the
+// number of words with a wrong output, or -1 if CUDA failed.
+int64_t E2m1ToF16MismatchesCuda();
 // CTAs of the decode kernel for this head size that fit on one SM of the current GPU (0 if
 // CUDA failed or the head size has no kernel).
 int DecodeResidentCtasPerSm(int head_size);

@@ -192,30 +192,7 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   return ffi::Error::Success();
 }
 
-// The self-checks: how many of the 2^32 float bit patterns u a rule fails on (differs(u)).
-template <typename Differs>
-__global__ void EveryFloatKernel(unsigned long long* mismatches, Differs differs) {
-  unsigned long long local = 0;
-  for (uint64_t u = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x; u <= 0xFFFFFFFFull;
-       u += uint64_t(gridDim.x) * blockDim.x)
-    local += differs(uint32_t(u));
-  atomicAdd(mismatches, local);
-}
-
-template <typename Differs>
-int64_t CountOnEveryFloat(Differs differs) {
-  unsigned long long* count = nullptr;
-  if (cudaMalloc(&count, sizeof(*count)) != cudaSuccess) return -1;
-  unsigned long long host = 0;
-  bool ok = cudaMemset(count, 0, sizeof(*count)) == cudaSuccess;
-  if (ok) {
-    EveryFloatKernel<<<1024, kThreadsPerBlock>>>(count, differs);
-    ok = cudaGetLastError() == cudaSuccess &&
-         cudaMemcpy(&host, count, sizeof(host), cudaMemcpyDeviceToHost) == cudaSuccess;
-  }
-  cudaFree(count);
-  return ok ? int64_t(host) : -1;
-}
+// The self-checks (CountOnEvery32Bits, cuda_common.cuh).
 
 // The device's e2m1 rounding against the comparison ladder, all bits.
 struct E2m1Differs {
@@ -250,9 +227,9 @@ struct E4m3Differs {
 
 }  // namespace
 
-int64_t E2m1CodeMismatchesCuda() { return CountOnEveryFloat(E2m1Differs{}); }
+int64_t E2m1CodeMismatchesCuda() { return CountOnEvery32Bits(E2m1Differs{}); }
 
-int64_t E4m3MismatchesCuda() { return CountOnEveryFloat(E4m3Differs{}); }
+int64_t E4m3MismatchesCuda() { return CountOnEvery32Bits(E4m3Differs{}); }
 
 }  // namespace nvfp4
 

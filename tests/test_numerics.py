@@ -26,6 +26,12 @@ def test_e4m3_conversions_match_software_on_every_float_gpu():
     assert _ffi._e4m3_mismatches_cuda() == 0
 
 
+@pytest.mark.gpu
+def test_e2m1_to_f16_conversion_matches_spec_on_every_code_word_gpu():
+    _skip_under_sanitizer_or_fail_without_cuda()
+    assert _ffi._e2m1_to_f16_mismatches_cuda() == 0
+
+
 def _skip_under_sanitizer_or_fail_without_cuda():
     """Under compute-sanitizer (tests/gpu_checks.sh sets JAX_NVFP4_SANITIZER to the tool) the
     2^32 iterations are not run: the kernel takes no count (a smaller range would need a kernel
