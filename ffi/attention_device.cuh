@@ -79,6 +79,8 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 // shifted copies never put a foreign bit into the kept positions (mask 0x8E00 per half).
 // Written with explicit lop3 (one instruction for (a | b) & c): left to itself the compiler
 // re-associates the masks into four instructions per output instead of three.
+// decode_cuda.cu's E2m1ToF16Differs checks it against the spec's values on every 32-bit word
+// on the GPU (test_numerics).
 template <uint32_t kMask>
 __device__ __forceinline__ uint32_t or_and(uint32_t a, uint32_t b) {
   uint32_t d;
