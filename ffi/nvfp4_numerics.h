@@ -192,6 +192,29 @@ NVFP4_HD uint32_t e2m1_magnitude_bits(float y) {
 #endif
 }
 
+// The value of the magnitude code whose e2m1_magnitude_bits are `bits` (the float m = 2^23 +
+// code), exactly, without taking the code out: the grid's values are convex in the code, so a
+// code's value is the largest of the three lines through its steps, code / 2, code - 2 and
+// 2 code - 8 (docs/format.md §1's table), each one exact operation on m (m / 2 - 2^22,
+// m - (2^23 + 2), 2 m - (2^24 + 8): every term and result is a float). 4over6's error takes
+// it for each element and candidate (block_codes_and_error); e2m1_magnitude(code) needs the
+// code as an integer, an int-to-float conversion on the device (a slow pipe there).
+NVFP4_HD float e2m1_magnitude_of_bits(uint32_t bits) {
+  const float m = bits_float(bits);
+#if defined(__CUDA_ARCH__)
+  const float fine = __fmaf_rn(m, 0.5f, -4194304.0f);
+  const float unit = __fadd_rn(m, -8388610.0f);
+  const float coarse = __fmaf_rn(m, 2.0f, -16777224.0f);
+  return fmaxf(fmaxf(fine, unit), coarse);
+#else
+  const float fine = add_rn(mul_rn(m, 0.5f), -4194304.0f);
+  const float unit = add_rn(m, -8388610.0f);
+  const float coarse = add_rn(mul_rn(m, 2.0f), -16777224.0f);
+  const float high = fine > unit ? fine : unit;
+  return high > coarse ? high : coarse;
+#endif
+}
+
 NVFP4_HD uint8_t e2m1_magnitude_code_ladder(float a) {
   if (a <= 0.25f) return 0;
   if (a < 0.75f) return 1;
@@ -389,24 +412,32 @@ __device__ __forceinline__ void block_signs_of_halves(const uint32_t (&words)[8]
 }
 #endif
 
-// Reconstruction error of docs/format.md §3 of the block stored as `packed` (block_codes) with
-// out_scale: pairwise in element order, each operation rounded alone.
-NVFP4_HD float block_error(const float* x, const uint32_t (&packed)[2], float out_scale) {
+// block_codes, and the reconstruction error of docs/format.md §3 of the block so stored, in
+// one pass over the block (4over6's candidates): each element's difference from its code's
+// value (e2m1_magnitude_of_bits, signed like the code: the sign of x), then the squares
+// pairwise in element order, each operation rounded alone. With out_scale == 0 (f == 0) the
+// multiplier is 0, so each difference is 0 * q - x, which is the spec's -x (q is finite) but
+// for the sign of a zero, which squares away.
+NVFP4_HD float block_codes_and_error(const float* x, float out_scale, const uint32_t (&signs)[2],
+                                     uint32_t (&packed)[2]) {
+  const float deq = out_scale != 0.0f ? div_rn(1.0f, out_scale) : 0.0f;
   float err = 0.0f;
-  if (out_scale == 0.0f) {
-    for (int j = 0; j < kBlockElems; j += 2)
-      err = add_rn(err, add_rn(mul_rn(x[j], x[j]), mul_rn(x[j + 1], x[j + 1])));
-    return err;
+  for (int w = 0; w < 2; ++w) {
+    uint32_t magnitudes = 0;
+    for (int j = 0; j < 8; j += 2) {
+      float d[2];
+      for (int e = 0; e < 2; ++e) {
+        const float xi = x[8 * w + j + e];
+        const uint32_t bits = e2m1_magnitude_bits(mul_rn(xi, out_scale));
+        magnitudes += bits << (4 * (j + e));  // block_codes' packing, in the other order
+        const float q =
+            bits_float(float_bits(e2m1_magnitude_of_bits(bits)) | (float_bits(xi) & 0x80000000u));
+        d[e] = sub_rn(mul_rn(q, deq), xi);
+      }
+      err = add_rn(err, add_rn(mul_rn(d[0], d[0]), mul_rn(d[1], d[1])));
+    }
+    packed[w] = (magnitudes - packed_magnitude_base()) | signs[w];
   }
-  const float deq = div_rn(1.0f, out_scale);
-  float d[kBlockElems];
-  for (int i = 0; i < kBlockElems; ++i) {
-    const uint8_t code = uint8_t((packed[i / 8] >> (4 * (i % 8))) & 15u);
-    const float q = (code & 8u) ? -e2m1_magnitude(code) : e2m1_magnitude(code);
-    d[i] = sub_rn(mul_rn(q, deq), x[i]);
-  }
-  for (int j = 0; j < kBlockElems; j += 2)
-    err = add_rn(err, add_rn(mul_rn(d[j], d[j]), mul_rn(d[j + 1], d[j + 1])));
   return err;
 }
 
@@ -424,15 +455,16 @@ NVFP4_HD BlockScale chosen_block(const float* x, const uint32_t (&signs)[2], Sto
                                  ScaleSearch search, uint32_t (&code)[2]) {
   const float amax = block_amax(x);
   BlockScale chosen = block_scale(amax, f, kRecip6);
-  block_codes(x, chosen.out_scale, signs, code);
-  if (search == ScaleSearch::k4Over6) {
-    const BlockScale four = block_scale(amax, f, kRecip4);
-    uint32_t four_code[2];
-    block_codes(x, four.out_scale, signs, four_code);
-    if (block_error(x, four_code, four.out_scale) < block_error(x, code, chosen.out_scale)) {
-      chosen = four;
-      code[0] = four_code[0], code[1] = four_code[1];
-    }
+  if (search != ScaleSearch::k4Over6) {
+    block_codes(x, chosen.out_scale, signs, code);
+    return chosen;
+  }
+  const float six_error = block_codes_and_error(x, chosen.out_scale, signs, code);
+  const BlockScale four = block_scale(amax, f, kRecip4);
+  uint32_t four_code[2];
+  if (block_codes_and_error(x, four.out_scale, signs, four_code) < six_error) {
+    chosen = four;
+    code[0] = four_code[0], code[1] = four_code[1];
   }
   return chosen;
 }
