@@ -168,7 +168,7 @@ budget_of() {
 # The environment the sanitizers need (TESTING.md): without eager module loading the sanitized
 # process crashed a few tests in; JAX would otherwise preallocate most of the GPU; XLA's command
 # buffers and autotuning launch work the sanitizers need not see. JAX_NVFP4_SANITIZER tells the
-# tests (tests/test_numerics.py: the 2^32-float self-check runs unsanitized in suite-gpu).
+# tests (tests/test_numerics.py: the 2^32-input self-checks run unsanitized in suite-gpu).
 sanitizer_env() {
     CMD=(env XLA_PYTHON_CLIENT_PREALLOCATE=false CUDA_MODULE_LOADING=EAGER
          "XLA_FLAGS=--xla_gpu_enable_command_buffer= --xla_gpu_autotune_level=0"

@@ -39,6 +39,6 @@ def _skip_under_sanitizer_or_fail_without_cuda():
     unsanitized in the script's suite-gpu part."""
     tool = os.environ.get("JAX_NVFP4_SANITIZER")
     if tool:
-        pytest.skip(f"under compute-sanitizer {tool}: the 2^32-float self-check runs unsanitized")
+        pytest.skip(f"under compute-sanitizer {tool}: the 2^32-input self-check runs unsanitized")
     if not _ffi.built_with_cuda():
         pytest.fail("a GPU is visible but jax_nvfp4 was built without its CUDA kernel")
