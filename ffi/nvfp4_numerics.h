@@ -486,15 +486,40 @@ constexpr int kMaxBatchBlocks = 16;
 template <ScaleSearch kSearch>
 inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scales,
                             uint8_t* packed) {
-  uint32_t code[kMaxBatchBlocks][2];
-  for (int b = 0; b < n; ++b) {
-    uint32_t signs[2];
-    block_signs(x + b * kBlockElems, signs);
-    scales[b] = chosen_block(x + b * kBlockElems, signs, f, kSearch, code[b]).byte;
+  if constexpr (kSearch == ScaleSearch::kDefault) {
+    // The scales first, then each block's codes as one loop over its elements (a code an
+    // element: the magnitude's low bits, the sign of x at bit 3, as block_codes packs them),
+    // which the compiler vectorises, then the nibbles paired. (Through chosen_block's packed
+    // words, as 4over6 goes below, the default ran 1.3x slower on the development machine.)
+    float out_scale[kMaxBatchBlocks];
+    for (int b = 0; b < n; ++b) {
+      const BlockScale chosen = block_scale(block_amax(x + b * kBlockElems), f, kRecip6);
+      scales[b] = chosen.byte;
+      out_scale[b] = chosen.out_scale;
+    }
+    for (int b = 0; b < n; ++b) {
+      uint8_t code[kBlockElems];
+      for (int i = 0; i < kBlockElems; ++i) {
+        const float xi = x[b * kBlockElems + i];
+        code[i] = uint8_t((e2m1_magnitude_bits(mul_rn(xi, out_scale[b])) & 7u) |
+                          ((float_bits(xi) >> 28) & 8u));
+      }
+      for (int k = 0; k < kBlockBytes; ++k)
+        packed[b * kBlockBytes + k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));
+    }
+  } else {
+    // 4over6 picks each block's scale from both candidates' codes and errors: its codes come
+    // from chosen_block.
+    uint32_t code[kMaxBatchBlocks][2];
+    for (int b = 0; b < n; ++b) {
+      uint32_t signs[2];
+      block_signs(x + b * kBlockElems, signs);
+      scales[b] = chosen_block(x + b * kBlockElems, signs, f, kSearch, code[b]).byte;
+    }
+    for (int b = 0; b < n; ++b)
+      for (int k = 0; k < kBlockBytes; ++k)
+        packed[b * kBlockBytes + k] = uint8_t(code[b][k / 4] >> (8 * (k % 4)));
   }
-  for (int b = 0; b < n; ++b)
-    for (int k = 0; k < kBlockBytes; ++k)
-      packed[b * kBlockBytes + k] = uint8_t(code[b][k / 4] >> (8 * (k % 4)));
 }
 #endif
 
