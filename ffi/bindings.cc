@@ -52,7 +52,9 @@ NB_MODULE(_ffi, m) {
   m.def("_e2m1_code_mismatches", []() {
     // Every float32 y (both signs, infinities, NaNs): the branch-free e2m1 rounding against
     // the comparison table of docs/format.md §2 step 6 on |y|, all of its bits (2^23 + code,
-    // as block_codes packs them). Returns how many differ (the test expects 0).
+    // as block_codes packs them); and each code's value read off those bits
+    // (e2m1_magnitude_of_bits, 4over6's error) against the table's. Returns how many differ
+    // (the test expects 0).
     uint64_t mismatches = 0;
     for (uint32_t u = 0; u <= 0x7FFFFFFFu; ++u) {
       const uint32_t want =
@@ -60,6 +62,10 @@ NB_MODULE(_ffi, m) {
       mismatches += nvfp4::e2m1_magnitude_bits(nvfp4::bits_float(u)) != want;
       mismatches += nvfp4::e2m1_magnitude_bits(nvfp4::bits_float(u | 0x80000000u)) != want;
     }
+    for (uint32_t code = 0; code < 8; ++code)
+      mismatches += nvfp4::float_bits(nvfp4::e2m1_magnitude_of_bits(
+                        nvfp4::kE2m1MagnitudeBase + code)) !=
+                    nvfp4::float_bits(nvfp4::e2m1_magnitude(uint8_t(code)));
     return mismatches;
   }, "Self-check of the numerics header (slow: every non-negative float).");
 #if defined(JAX_NVFP4_WITH_CUDA)

@@ -194,11 +194,17 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
 
 // The self-checks (CountOnEvery32Bits, cuda_common.cuh).
 
-// The device's e2m1 rounding against the comparison ladder, all bits.
+// The device's e2m1 rounding against the comparison ladder, all bits, and (u < 8) each code's
+// value read off those bits against the table's.
 struct E2m1Differs {
   __device__ bool operator()(uint32_t u) const {
     const float y = bits_float(u);
-    return e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
+    bool differs =
+        e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
+    if (u < 8u)  // and each code's value read off its bits (4over6's error) against the table's
+      differs |= float_bits(e2m1_magnitude_of_bits(kE2m1MagnitudeBase + u)) !=
+                 float_bits(e2m1_magnitude(uint8_t(u)));
+    return differs;
   }
 };
 

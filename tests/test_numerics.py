@@ -1,7 +1,10 @@
 """The numerics header's branch-free e2m1 rounding against the comparison table of
-docs/format.md §2 step 6 on every float32: on the CPU build, and on the GPU build where there
-is one; on the GPU also the hardware's e4m3 conversions (what the store uses: NVFP4_HW_E4M3, on
-by default) against the software's, every float encoded and every byte decoded."""
+docs/format.md §2 step 6 on every float32, and each code's value read off the rounding's bits
+(4over6's error) against the table's: on the CPU build, and on the GPU build where there is one;
+on the GPU also the hardware's e4m3 conversions (what the store uses: NVFP4_HW_E4M3, on by
+default) against the software's, every float encoded and every byte decoded, and the attention
+kernels' E2M1 -> fp16 conversion of the cache's codes against the spec's values, every 32-bit
+word of eight codes."""
 
 import os
 
