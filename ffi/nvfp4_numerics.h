@@ -385,11 +385,12 @@ NVFP4_HD void block_codes(const float* x, float out_scale, const uint32_t (&sign
 // block_codes' words: the sign of x, not of the product x * out_scale. out_scale is never
 // negative (§2 step 5 divides two factors of the same sign), so the two agree wherever the
 // product is a number, and a NaN product's sign is not portable between x86, CUDA and XLA.
+NVFP4_HD uint32_t code_sign_bit(float x) { return (float_bits(x) >> 28) & 8u; }
+
 NVFP4_HD void block_signs(const float* x, uint32_t (&signs)[2]) {
   for (int w = 0; w < 2; ++w) {
     signs[w] = 0;
-    for (int j = 0; j < 8; ++j)
-      signs[w] |= (float_bits(x[8 * w + j]) >> (28 - 4 * j)) & (8u << (4 * j));
+    for (int j = 0; j < 8; ++j) signs[w] |= code_sign_bit(x[8 * w + j]) << (4 * j);
   }
 }
 
@@ -488,9 +489,10 @@ inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scale
                             uint8_t* packed) {
   if constexpr (kSearch == ScaleSearch::kDefault) {
     // The scales first, then each block's codes as one loop over its elements (a code an
-    // element: the magnitude's low bits, the sign of x at bit 3, as block_codes packs them),
+    // element: the magnitude less its base, the sign of x at bit 3, as block_codes packs them),
     // which the compiler vectorises, then the nibbles paired. (Through chosen_block's packed
-    // words, as 4over6 goes below, the default ran 1.3x slower on the development machine.)
+    // words, as 4over6 goes below, the CPU store's default ran about 2x slower:
+    // benchmarks/RESULTS.md, "On the CPU".)
     float out_scale[kMaxBatchBlocks];
     for (int b = 0; b < n; ++b) {
       const BlockScale chosen = block_scale(block_amax(x + b * kBlockElems), f, kRecip6);
@@ -501,8 +503,8 @@ inline void quantize_blocks(const float* x, int n, StoreFactor f, uint8_t* scale
       uint8_t code[kBlockElems];
       for (int i = 0; i < kBlockElems; ++i) {
         const float xi = x[b * kBlockElems + i];
-        code[i] = uint8_t((e2m1_magnitude_bits(mul_rn(xi, out_scale[b])) & 7u) |
-                          ((float_bits(xi) >> 28) & 8u));
+        code[i] = uint8_t((e2m1_magnitude_bits(mul_rn(xi, out_scale[b])) - kE2m1MagnitudeBase) |
+                          code_sign_bit(xi));
       }
       for (int k = 0; k < kBlockBytes; ++k)
         packed[b * kBlockBytes + k] = uint8_t(code[2 * k] | (code[2 * k + 1] << 4));

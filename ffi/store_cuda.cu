@@ -192,10 +192,9 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   return ffi::Error::Success();
 }
 
-// The self-checks (CountOnEvery32Bits, cuda_common.cuh).
-
-// The device's e2m1 rounding against the comparison ladder, all bits, and (u < 8) each code's
-// value read off those bits against the table's.
+// The self-checks (counted by CountOnEvery32Bits, cuda_common.cuh). The device's e2m1 rounding
+// against the comparison ladder, all bits, and (u < 8) each code's value read off those bits
+// against the table's.
 struct E2m1Differs {
   __device__ bool operator()(uint32_t u) const {
     const float y = bits_float(u);
