@@ -5,6 +5,7 @@ and JAX's Pallas paged attention), dense attention and the memory ceiling.
     python benchmarks/attention_bench.py --quick      # a tiny grid, a smoke run (works on CPU)
     python benchmarks/attention_bench.py --only kernel,bf16 --points 32x32768,ragged32 --repeats 5
     python benchmarks/attention_bench.py --only kernel --points 64x32768,ragged64x16384  # off the grid
+    python benchmarks/attention_bench.py --step-layers 4   # decode steps: store + attention x 4
 
 Grid: (batch, context) = (1, 4096), (1, 131072), (8, 4096), (8, 8192), (8, 32768), (32, 8192),
 (32, 32768), (64, 1024), (128, 1024), (128, 4096) (by batch, then context; (1, 4096),
@@ -32,6 +33,24 @@ overhead every other row includes). Caches are filled on the device with jax.ran
 pages are random code bytes with scale bytes in 0x30..0x58 (finite E4M3, 0.5 to 16), k_scale =
 v_scale = 3/448; bf16 caches are normals. Every call reads its own random page order (a fresh
 permutation of the cache's pages).
+
+Decode-step mode (``--step-layers L``, issue 18): a call is one decode step of L layers, each
+layer storing one new token per sequence (its K/V) and then attending over the sequence, the new
+token included, as the README's multi-layer decode step does without its projections; every
+layer has its own caches, and the caches are the chain's state, donated and updated in place
+(the store of layer l waits for the attention of layer l - 1, as in a model). Per method, the
+store a competent user pairs with its reader: ``kernel`` and ``jnp``,
+jax_nvfp4.reshape_and_cache (the CUDA store on a GPU, the C++ one elsewhere) and the NVFP4
+reader; ``bf16`` and ``pallas``, XLA's scatter of the bf16 rows with ``unique_indices=True``
+into their paged cache; ``dense``, the same scatter into the dense [batch, context] cache at
+each sequence's last position; ``glue``, the step's chaining glue alone. The new token is each
+sequence's last position (seq_lens count it; its slot from the call's block table), written
+again on every step. Grid: the serving points (1, 4096), (8, 4096), (64, 1024), (8, 8192) and
+(32, 8192); ``--points`` as above. Bytes per step: L x (the cache bytes the readers need, as
+below, plus the new token's cache bytes written). At the smallest points all L layers' NVFP4
+pages may stay in a Hopper GPU's L2 cache between steps (1 x 4096: 4.7 MB a layer); in a
+model the weights' products in between would evict them, so the step mode favours the smaller
+cache there; a larger L shows it.
 
 Timing method: device time per call from chained calls. n calls run in ONE compiled program;
 call i attends with its own query qs[i] + prev * 0 and its own block table tables[i] + z,
@@ -80,6 +99,7 @@ import numpy as np  # noqa: E402
 import jax_nvfp4  # noqa: E402
 from jax_nvfp4 import layout as nv_layout  # noqa: E402
 from jax_nvfp4.attention_primitive import DECODE_TARGET  # noqa: E402  (the CUDA kernel's FFI target)
+from jax_nvfp4.primitive import STORE_TARGET  # noqa: E402  (the store's)
 
 import store_bench  # noqa: E402  (this folder: the ceiling and the program timer)
 
@@ -120,13 +140,28 @@ TARGET_PCT = {"32x32768": 70, "8x32768": 70, "1x131072": 70, "128x4096": 70, "32
               "128x1024": 50}
 TARGET_RAGGED_X_FLOOR = 1.3
 
+# The decode-step mode (--step-layers): its grid, its labels, and issue 18's targets for a step of
+# 4 layers: faster than dense cuDNN at every serving point, >= 2x it from 8 x 4096 up.
+STEP_POINTS = [(1, 4096), (8, 4096), (64, 1024), (8, 8192), (32, 8192)]
+STEP_TARGET_LAYERS = 4
+STEP_TARGET_VS_DENSE = {"1x4096": 1.0, "8x4096": 2.0, "64x1024": 1.0, "8x8192": 2.0,
+                        "32x8192": 2.0}
+STEP_LABELS = {"kernel": "nvfp4 step: store + kernel (impl=auto)",
+               "jnp": "nvfp4 step: store + jnp read (impl=jnp)",
+               "bf16": "bf16 paged step: scatter + jnp read",
+               "pallas": "bf16 paged step: scatter + Pallas", "dense": "dense step: scatter + dpa",
+               "glue": "step glue (no store, no attention)"}
 
-def label(method):
-    """A method's row label: what ran (off a GPU impl=auto runs the jnp path)."""
+
+def label(method, layers=0):
+    """A method's row label: what ran (off a GPU impl=auto runs the jnp path); with ``layers``
+    the decode-step mode's."""
+    labels = STEP_LABELS if layers else LABELS
     if method != "kernel":
-        return LABELS[method]
-    return store_bench.kernel_label(LABELS[method], "nvfp4 jnp path (impl=auto: no kernel on "
-                                                    "{platform})")
+        return labels[method]
+    elsewhere = ("nvfp4 step: store + jnp path (impl=auto: no kernel on {platform})" if layers
+                 else "nvfp4 jnp path (impl=auto: no kernel on {platform})")
+    return store_bench.kernel_label(labels[method], elsewhere)
 
 
 def _ready(x):
@@ -138,9 +173,12 @@ def _ready(x):
 # Grid points and their inputs (made on the device).
 
 
-def make_points(quick, seed):
+def make_points(quick, seed, step=False):
+    """The grid (``step``: the decode-step mode's, which has no ragged point but on --quick)."""
     regular, (n_ragged, longest) = ((QUICK_POINTS, QUICK_RAGGED) if quick
                                     else (FULL_POINTS, FULL_RAGGED))
+    if step and not quick:
+        return [_point(f"{b}x{c}", np.full(b, c, np.int64)) for b, c in STEP_POINTS]
     return ([_point(f"{b}x{c}", np.full(b, c, np.int64)) for b, c in regular]
             + [_ragged_point(n_ragged, longest, seed, f"ragged{n_ragged}")])
 
@@ -170,6 +208,9 @@ def _point(name, lens):
             "nvfp4_bytes": int(pages.sum()) * 2 * NUM_KV_HEADS * BLOCK_SIZE
             * nv_layout.head_bytes(HEAD_SIZE),
             "bf16_bytes": tokens * NUM_KV_HEADS * HEAD_SIZE * 2 * 2,
+            # the cache bytes one new token per sequence writes (the decode-step mode)
+            "nvfp4_store_bytes": len(lens) * 2 * NUM_KV_HEADS * nv_layout.head_bytes(HEAD_SIZE),
+            "bf16_store_bytes": len(lens) * 2 * NUM_KV_HEADS * HEAD_SIZE * 2,
             "padded_tokens": len(lens) * int(pages.max()) * BLOCK_SIZE,
             "q_out_bytes": 2 * len(lens) * NUM_Q_HEADS * HEAD_SIZE * 2}
 
@@ -346,7 +387,9 @@ def pallas_attn(k_splits, interpret=False):
     return attn
 
 
-def pallas_label(k_splits):
+def pallas_label(k_splits, layers=0):
+    if layers:
+        return f"bf16 paged step: scatter + Pallas (k_splits={k_splits})"
     return f"bf16 paged (Pallas, k_splits={k_splits})"
 
 
@@ -395,9 +438,83 @@ def dense_attn(implementation, masking):
     return attn
 
 
-def dense_label(implementation, masking):
+def dense_label(implementation, masking, layers=0):
     parts = [implementation or "default"] + ([masking] if masking else [])
-    return f"dense dpa ({', '.join(parts)})"
+    return f"{'dense step: scatter + dpa' if layers else 'dense dpa'} ({', '.join(parts)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode-step mode: per method, its caches (the arrays its reader reads that a step writes)
+# and its store of one new token per sequence; store(k, v, caches, slots, lens, arrays) ->
+# caches, with k, v [batch, num_kv_heads, head_size] and slots / lens [batch].
+
+_CACHES = {"kernel": ("nvfp4",), "jnp": ("nvfp4",), "bf16": ("k_bf16", "v_bf16"),
+           "pallas": ("k_pages", "v_pages"), "dense": ("k_dense", "v_dense"), "glue": ()}
+
+
+def nvfp4_store(k, v, c, slots, lens, a):
+    return {"nvfp4": jax_nvfp4.reshape_and_cache(k, v, c["nvfp4"], slots, a["k_scale"],
+                                                 a["v_scale"], layout="HND",
+                                                 v_scale_swizzle=True)}
+
+
+def _scatter_rows(pages, slots, x):
+    """pages [num_blocks, block_size, H, D] with row ``slot`` (page * block_size + row) of each
+    slot set to x [len(slots), H, D]: XLA's scatter, unique slots."""
+    flat = pages.reshape((-1,) + pages.shape[2:])
+    return flat.at[slots].set(x, unique_indices=True).reshape(pages.shape)
+
+
+def bf16_store(k, v, c, slots, lens, a):
+    return {"k_bf16": _scatter_rows(c["k_bf16"], slots, k),
+            "v_bf16": _scatter_rows(c["v_bf16"], slots, v)}
+
+
+def pallas_store(k, v, c, slots, lens, a):
+    """Into Pallas's pages [num_kv_heads, total_num_pages, page_size, head_dim]."""
+    page, row = slots // BLOCK_SIZE, slots % BLOCK_SIZE
+    return {name: c[name].at[:, page, row].set(jnp.swapaxes(x, 0, 1), unique_indices=True)
+            for name, x in (("k_pages", k), ("v_pages", v))}
+
+
+def dense_store(k, v, c, slots, lens, a):
+    """Into the dense caches [batch, context, H, D] at each sequence's last position."""
+    at = (jnp.arange(k.shape[0]), lens - 1)
+    return {"k_dense": c["k_dense"].at[at].set(k, unique_indices=True),
+            "v_dense": c["v_dense"].at[at].set(v, unique_indices=True)}
+
+
+STORES = {"kernel": nvfp4_store, "jnp": nvfp4_store, "bf16": bf16_store, "pallas": pallas_store,
+          "dense": dense_store, "glue": lambda k, v, c, slots, lens, a: {}}
+
+
+def last_slots(table, lens):
+    """The slot of each sequence's last position (its new token) under block table ``table``."""
+    pos = lens - 1
+    page = jnp.take_along_axis(table, (pos // BLOCK_SIZE)[:, None], axis=1)[:, 0]
+    return page * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+def make_decode_step(key, attn, layers):
+    """One decode step of ``layers`` layers as a chained call: the carry is (the last layer's
+    output, one dict of caches per layer), donated. Layer l's query is the call's q plus 0 x
+    layer l - 1's output, its new K/V the query's first 2 x num_kv_heads heads (so its store
+    waits for the layer before, as in a model); it stores them, then attends."""
+    store = STORES[key]
+
+    def step(carry, q, table, lens, arrays):
+        prev, caches = carry
+        table = table + (prev[0, 0, 0] * 0).astype(jnp.int32)
+        slots = last_slots(table, lens)
+        out, new_caches = prev, []
+        for cache in caches:
+            x = q + out * 0
+            k, v = x[:, :NUM_KV_HEADS], x[:, NUM_KV_HEADS:2 * NUM_KV_HEADS]
+            cache = store(k, v, cache, slots, lens, arrays)
+            out = attn(x, table, lens, {**arrays, **cache}).astype(prev.dtype)
+            new_caches.append(cache)
+        return out, tuple(new_caches)
+    return step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,13 +539,19 @@ def chain_program(step, n):
 
 
 class Method:
-    """One method at one grid point: its programs (compiled once), carry and timings."""
+    """One method at one grid point: its programs (compiled once), carry and timings. With
+    ``layers``, the decode-step mode's: a call is a step of that many layers, and the carry
+    holds each layer's copy of the method's caches."""
 
-    def __init__(self, key, label, attn, inputs):
-        self.key, self.label = key, label
-        self.step = make_step(attn)
-        self.args = (inputs["qs"], inputs["tables"], inputs["lens"],
-                     {k: inputs["arrays"][k] for k in _NEEDS[key]})
+    def __init__(self, key, label, attn, inputs, layers=0):
+        self.key, self.label, self.layers = key, label, layers
+        arrays = {k: inputs["arrays"][k] for k in _NEEDS[key]}
+        if layers:
+            self.step = make_decode_step(key, attn, layers)
+            self.caches = {k: arrays.pop(k) for k in _CACHES[key]}  # copied per layer at start
+        else:
+            self.step = make_step(attn)
+        self.args = (inputs["qs"], inputs["tables"], inputs["lens"], arrays)
         self.programs = {}
         self.carry = None
         self.rounds = []
@@ -446,11 +569,15 @@ class Method:
         """Compiles and runs one call (sanity output kept on the host), times it."""
         qs = self.args[0]
         carry = jnp.zeros(qs.shape[1:], qs.dtype)
+        if self.layers:  # each layer's own caches (the carry is donated: the inputs' stay)
+            carry = (carry, tuple({k: jnp.copy(x) for k, x in self.caches.items()}
+                                  for _ in range(self.layers)))
         one = self.program(1)
         if check_hlo:
             self.lowered_text = one.lower(carry, *self.args).compile().as_text() or ""
         out = _ready(one(carry, *self.args))
-        self.first_out = np.asarray(out.astype(jnp.float32))
+        first = out[0] if self.layers else out
+        self.first_out = np.asarray(first.astype(jnp.float32))
         samples = []
         for _ in range(3):
             t0 = time.perf_counter()
@@ -473,9 +600,14 @@ class Method:
         self.rounds.append(per_call)
         return per_call
 
+    def alive(self):
+        """Whether its carry is still there (a failed timing closes the method)."""
+        return self.carry is not None and not any(
+            x.is_deleted() for x in jax.tree_util.tree_leaves(self.carry))
+
     def close(self):
-        if self.carry is not None and not self.carry.is_deleted():
-            self.carry.delete()
+        if self.carry is not None:
+            free(self.carry)
         self.programs.clear()
 
 
@@ -493,9 +625,10 @@ def _first_line(e):
 # ---------------------------------------------------------------------------------------------
 
 
-def pallas_method(k_splits, inputs):
+def pallas_method(k_splits, inputs, layers=0):
     """The Pallas row's Method at one k_splits (its row says which: ``k_splits``)."""
-    method = Method("pallas", pallas_label(k_splits), pallas_attn(k_splits), inputs)
+    method = Method("pallas", pallas_label(k_splits, layers), pallas_attn(k_splits), inputs,
+                    layers)
     method.extra["k_splits"] = k_splits
     return method
 
@@ -549,6 +682,7 @@ def fastest(methods, point, args, skipped, log):
 
 def run_point(point, args, ceiling_bps, budget, key, log):
     methods = [m for m in METHODS if m in args.only]
+    layers = args.step_layers
     skipped = []
     for m in ("jnp", "bf16"):
         if m in methods:
@@ -558,7 +692,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                 why = (f"float32 intermediates ~{need / GiB:.3g} GiB > budget "
                        f"{budget / GiB:.3g} GiB (--jnp-budget-gib)")
                 skipped.append({"point": point["name"], "method": m, "why": why})
-                log(f"  skip {label(m)}: {why}")
+                log(f"  skip {label(m, layers)}: {why}")
     if "pallas" in methods:
         max_blocks = int(point["pages"].max())
         k_splits = pallas_k_splits(max_blocks, args.pallas_k_splits)
@@ -566,14 +700,15 @@ def run_point(point, args, ceiling_bps, budget, key, log):
         if why:
             methods.remove("pallas")
             skipped.append({"point": point["name"], "method": "pallas", "why": why})
-            log(f"  skip {label('pallas')}: {why}")
+            log(f"  skip {label('pallas', layers)}: {why}")
     inputs = make_inputs(point, methods, args.max_chain, key)
     on_gpu = jax.devices()[0].platform == "gpu"
     built = []
     try:
         for m in methods:
             if m == "pallas":
-                started = [method for method in (pallas_method(k, inputs) for k in k_splits)
+                started = [method for method in (pallas_method(k, inputs, layers)
+                                                 for k in k_splits)
                            if start_method(method, point, args, skipped, log)]
                 best = fastest(started, point, args, skipped, log)
                 built += [best] if best is not None else []
@@ -584,11 +719,12 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                 variants = [None]
             for variant in variants:
                 if m == "dense":
-                    method = Method(m, dense_label(*variant), dense_attn(*variant), inputs)
+                    method = Method(m, dense_label(*variant, layers), dense_attn(*variant),
+                                    inputs, layers)
                 else:
                     attn = {"kernel": nvfp4_attn("auto"), "jnp": nvfp4_attn("jnp"),
                             "bf16": bf16_attn, "glue": glue_attn}[m]
-                    method = Method(m, label(m), attn, inputs)
+                    method = Method(m, label(m, layers), attn, inputs, layers)
                 if start_method(method, point, args, skipped, log,
                                 check_hlo=(m == "kernel" and on_gpu)):
                     built.append(method)
@@ -605,7 +741,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                     skipped.append({"point": point["name"], "method": method.label, "why": why})
                     method.rounds = []
                     method.close()
-            built = [m for m in built if m.carry is not None and not m.carry.is_deleted()]
+            built = [m for m in built if m.alive()]
         return [_row(point, m, ceiling_bps) for m in built if len(m.rounds) == 2], skipped
     finally:
         for method in built:
@@ -635,6 +771,10 @@ def _sanity(built, log):
         how = f"runs the jnp path on {platform}"
     elif DECODE_TARGET in kernel.lowered_text:
         how = f"runs the CUDA kernel ({DECODE_TARGET} in the compiled HLO)"
+        if kernel.layers:
+            stores = kernel.lowered_text.count(f'custom_call_target="{STORE_TARGET}"')
+            how += (f"; {stores} store calls ({STORE_TARGET}) for {kernel.layers} layers"
+                    + ("" if stores == kernel.layers else "  WARNING: not one a layer"))
     else:
         how = f"WARNING: no {DECODE_TARGET} call in the compiled HLO: the jnp path ran"
     log(f"  sanity: kernel output {'finite' if finite else 'NOT FINITE'} "
@@ -648,18 +788,27 @@ def _rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def cache_bytes(point, kind, layers=0):
+    """The cache bytes of a call (kind "nvfp4" or "bf16"): what the readers need; in the
+    decode-step mode (``layers``) that per layer plus the new token's bytes written."""
+    if not layers:
+        return point[f"{kind}_bytes"]
+    return layers * (point[f"{kind}_bytes"] + point[f"{kind}_store_bytes"])
+
+
 def _row(point, method, ceiling_bps):
     r1, r2 = method.rounds
     per_call = (r1 + r2) / 2
-    nbytes = {"kernel": point["nvfp4_bytes"], "jnp": point["nvfp4_bytes"],
-              "bf16": point["bf16_bytes"], "pallas": point["bf16_bytes"],
-              "dense": point["bf16_bytes"]}.get(method.key)
+    kind = {"kernel": "nvfp4", "jnp": "nvfp4", "bf16": "bf16", "pallas": "bf16",
+            "dense": "bf16"}.get(method.key)
+    nbytes = cache_bytes(point, kind, method.layers) if kind else None
     row = {"point": point["name"], "batch": point["batch"], "context": point["context"],
            "tokens": point["tokens"], "method": method.key, "label": method.label,
            "us_per_call": per_call * 1e6, "us_round1": r1 * 1e6, "us_round2": r2 * 1e6,
            "spread_pct": 100 * abs(r1 - r2) / per_call if per_call > 0 else float("nan"),
            "linearity": method.linearity, "chain_lengths": list(method.lengths), "bytes": nbytes,
-           "GBps": None, "pct_ceiling": None, "x_floor": None, **method.extra}
+           "GBps": None, "pct_ceiling": None, "x_floor": None, "layers": method.layers,
+           **method.extra}
     if nbytes and per_call > 0:
         row["GBps"] = nbytes / per_call / 1e9
         row["pct_ceiling"] = 100 * nbytes / per_call / ceiling_bps
@@ -679,7 +828,39 @@ def add_speedups(rows):
                         if other and r["us_per_call"] > 0 and other["us_per_call"] > 0 else None)
 
 
+def evaluate_step_targets(result):
+    """Issue 18's decode-step targets (a step of STEP_TARGET_LAYERS layers): the NVFP4 step's
+    speed over the dense cuDNN step's at each point of STEP_TARGET_VS_DENSE."""
+    layers = result["config"]["step_layers"]
+    rows = {(r["point"], r["method"]): r for r in result["rows"]}
+    checks = []
+    for name, ratio in STEP_TARGET_VS_DENSE.items():
+        target = (f"step vs dense cuDNN > {ratio:g}x" if ratio == 1 else
+                  f"step vs dense cuDNN >= {ratio:g}x")
+        kernel, dense = rows.get((name, "kernel")), rows.get((name, "dense"))
+        if layers != STEP_TARGET_LAYERS:
+            checks.append({"point": name, "target": target, "value": None,
+                           "status": f"not run (the targets are for {STEP_TARGET_LAYERS} layers)"})
+            continue
+        if kernel is None or dense is None or not kernel["us_per_call"] > 0:
+            checks.append({"point": name, "target": target, "value": None, "status": "not run"})
+            continue
+        if "cudnn" not in dense["label"]:  # XLA's attention is not the peer the target names
+            checks.append({"point": name, "target": target, "value": None,
+                           "status": f"not run ({dense['label']}: not cuDNN)"})
+            continue
+        speedup = dense["us_per_call"] / kernel["us_per_call"]
+        ok = speedup > ratio if ratio == 1 else speedup >= ratio
+        margin = abs(speedup - ratio) / ratio * 100
+        checks.append({"point": name, "target": target, "value": f"{speedup:.2f}x",
+                       "status": "PASS" if ok else "FAIL",
+                       "within_noise": margin < kernel["spread_pct"] + dense["spread_pct"]})
+    return checks
+
+
 def evaluate_targets(result):
+    if result["config"]["step_layers"]:
+        return evaluate_step_targets(result)
     kernel = {r["point"]: r for r in result["rows"] if r["method"] == "kernel"}
     ragged = [p["name"] for p in result["points"] if p["name"].startswith("ragged")]
     checks = []
@@ -724,11 +905,17 @@ def run(args):
     log(f"memory budget of the jnp readers' float32 intermediates: {budget / GiB:.1f} GiB")
     key = jax.random.key(args.seed)
     rows, skipped, points_out = [], [], []
+    layers = args.step_layers
+    if layers:
+        log(f"decode-step mode: a call is one step of {layers} layers (store one token per "
+            "sequence, then attend), every layer's caches donated")
     for index, point in enumerate(args.points):
+        nvfp4, bf16 = (cache_bytes(point, kind, layers) for kind in ("nvfp4", "bf16"))
         log(f"{point['name']}: batch {point['batch']}, longest {point['context']}, "
-            f"{point['tokens']} tokens; NVFP4 {point['nvfp4_bytes'] / 1e6:.1f} MB "
-            f"(floor {point['nvfp4_bytes'] / ceil_bps * 1e6:.1f} us), bf16 "
-            f"{point['bf16_bytes'] / 1e6:.1f} MB (floor {point['bf16_bytes'] / ceil_bps * 1e6:.1f} us); "
+            f"{point['tokens']} tokens; NVFP4 {nvfp4 / 1e6:.1f} MB "
+            f"(floor {nvfp4 / ceil_bps * 1e6:.1f} us), bf16 "
+            f"{bf16 / 1e6:.1f} MB (floor {bf16 / ceil_bps * 1e6:.1f} us)"
+            + (f" a step of {layers} layers" if layers else "") + "; "
             f"q + out {100 * point['q_out_bytes'] / point['nvfp4_bytes']:.2f}% of the NVFP4 bytes, "
             "not counted")
         try:
@@ -762,8 +949,9 @@ def run(args):
               "config": {"num_q_heads": NUM_Q_HEADS, "num_kv_heads": NUM_KV_HEADS,
                          "head_size": HEAD_SIZE, "block_size": BLOCK_SIZE, "layout": "HND",
                          "v_scale_swizzle": True, "repeats": args.repeats, "seed": args.seed,
-                         "quick": args.quick},
-              "method_note": __doc__.split("\n\n")[3]}
+                         "quick": args.quick, "step_layers": layers},
+              "method_note": next(part for part in __doc__.split("\n\n")
+                                  if part.startswith("Timing method"))}
     # The targets are the GPU kernel's: off a GPU nothing ran that they are about.
     result["targets"] = evaluate_targets(result) if store_bench.on_gpu() else []
     return result
@@ -778,9 +966,12 @@ def _fmt(x, spec, none="-"):
 
 
 def targets_text(result):
+    layers = result["config"]["step_layers"]
+    title = (f"Targets (decode step of {STEP_TARGET_LAYERS} layers, NVFP4 against dense cuDNN)"
+             if layers else "Targets (kernel, NVFP4 bytes)")
     if result["platform"] != "gpu":
-        return f"Targets (kernel, NVFP4 bytes): not evaluated on {result['platform']} (GPU targets)"
-    lines = ["Targets (kernel, NVFP4 bytes):"]
+        return f"{title}: not evaluated on {result['platform']} (GPU targets)"
+    lines = [f"{title}:"]
     for c in result["targets"]:
         noise = " (margin within the timing spread)" if c.get("within_noise") else ""
         lines.append(f"  {c['point']:<10} {c['target']:<28} {c['value'] or '-':>8}  "
@@ -790,6 +981,8 @@ def targets_text(result):
 
 def markdown(result):
     c = result["ceiling"]
+    layers = result["config"]["step_layers"]
+    unit = "step" if layers else "call"
     q_out_share = max((100 * p["q_out_bytes"] / p["nvfp4_bytes"] for p in result["points"]),
                       default=0.0)
     lines = [f"Device: {result['device']}, jax {result['jax']}, {result['date']}. Ceiling "
@@ -801,8 +994,11 @@ def markdown(result):
              "sequences need (NVFP4 for nvfp4 rows, bf16 otherwise; q and out left out: at most "
              f"{q_out_share:.2g}% of the NVFP4 bytes). "
              "x floor: time over the row's bytes floor. vs bf16 / vs dense: their time over "
-             "this row's. Spread: the two timings of the row, apart.", "",
-             "| point | method | µs / call | spread % | GB/s | % of ceiling | x floor | "
+             "this row's. Spread: the two timings of the row, apart."
+             + (f" Decode-step mode: a call is one step of {layers} layers, each storing one "
+                "token per sequence and attending; bytes are the layers' reads plus the new "
+                "tokens' cache bytes written." if layers else ""), "",
+             f"| point | method | µs / {unit} | spread % | GB/s | % of ceiling | x floor | "
              "vs bf16 paged | vs dense |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ceil_bps = c["ceiling_Bps"]
@@ -814,9 +1010,10 @@ def markdown(result):
                 f"{_fmt(r['pct_ceiling'], '.1f')} | {_fmt(r['x_floor'], '.2f')} | "
                 f"{_fmt(r.get('vs_bf16'), '.2f')} | {_fmt(r.get('vs_dense'), '.2f')} |")
         if any(r["point"] == p["name"] for r in result["rows"]):
-            for what, key in (("NVFP4", "nvfp4_bytes"), ("bf16", "bf16_bytes")):
+            for what, kind in (("NVFP4", "nvfp4"), ("bf16", "bf16")):
+                nbytes = cache_bytes(p, kind, layers)
                 lines.append(f"| {p['name']} | floor: {what} bytes "
-                             f"({p[key] / 1e6:.1f} MB) | {p[key] / ceil_bps * 1e6:.2f} | | "
+                             f"({nbytes / 1e6:.1f} MB) | {nbytes / ceil_bps * 1e6:.2f} | | "
                              f"{ceil_bps / 1e9:.1f} | 100.0 | 1.00 | | |")
     return "\n".join(lines)
 
@@ -827,6 +1024,7 @@ def plot(result, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    layers = result["config"]["step_layers"]
     names = [p["name"] for p in result["points"]
              if any(r["point"] == p["name"] for r in result["rows"])]
     methods = [m for m in METHODS if m != "glue" and any(r["method"] == m for r in result["rows"])]
@@ -843,22 +1041,24 @@ def plot(result, path):
         labels = {r["label"] for r in rs if r}
         # One label where every point's row says the same, else the method's (Pallas's k_splits
         # is chosen per point).
-        label = labels.pop() if len(labels) == 1 else LABELS[m]
+        label = labels.pop() if len(labels) == 1 else (STEP_LABELS if layers else LABELS)[m]
         offset = x - 0.4 + width * (i + 0.5)
         axes[0].bar(offset, [r["us_per_call"] if r else np.nan for r in rs], width, label=label)
         axes[1].bar(offset, [r["pct_ceiling"] if r and r["pct_ceiling"] else np.nan for r in rs],
                     width, label=label)
     for j, n in enumerate(names):
-        for key, style, label in (("nvfp4_bytes", "k-", "NVFP4 bytes floor"),
-                                  ("bf16_bytes", "k--", "bf16 bytes floor")):
-            axes[0].plot([j - 0.45, j + 0.45], [points[n][key] / ceil_bps * 1e6] * 2, style,
+        for kind, style, label in (("nvfp4", "k-", "NVFP4 bytes floor"),
+                                   ("bf16", "k--", "bf16 bytes floor")):
+            axes[0].plot([j - 0.45, j + 0.45],
+                         [cache_bytes(points[n], kind, layers) / ceil_bps * 1e6] * 2, style,
                          lw=1.2, label=label if j == 0 else None)
-    axes[0].set(yscale="log", ylabel="µs per call (log)",
-                title=f"decode attention, {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, D={HEAD_SIZE} "
+    what = f"decode step of {layers} layers (store + attention)" if layers else "decode attention"
+    axes[0].set(yscale="log", ylabel=f"µs per {'step' if layers else 'call'} (log)",
+                title=f"{what}, {NUM_Q_HEADS}q/{NUM_KV_HEADS}kv heads, D={HEAD_SIZE} "
                       f"({result['device']})")
     axes[1].set(yscale="log", ylabel="% of measured copy ceiling (log)",
                 title="cache bytes needed / time / ceiling")
-    for pct in sorted(set(TARGET_PCT.values())):
+    for pct in ([] if layers else sorted(set(TARGET_PCT.values()))):
         axes[1].axhline(pct, color="gray", lw=0.8, ls=":")
     for ax in axes:
         ax.set_xticks(x, names, rotation=20)
@@ -912,7 +1112,14 @@ def main(argv=None):
     p.add_argument("--pallas-k-splits", default=",".join(map(str, PALLAS_K_SPLITS)),
                    help="comma-separated k_splits of the Pallas row to try at each point, the "
                         "fastest kept (GPU; default %(default)s)")
+    p.add_argument("--step-layers", type=int, default=0, metavar="L",
+                   help="decode-step mode: a call is one decode step of L layers, each storing "
+                        "one token per sequence and then attending (issue 18's targets: L = "
+                        f"{STEP_TARGET_LAYERS}); the grid is then {', '.join(f'{b}x{c}' for b, c in STEP_POINTS)} "
+                        "(default 0: attention calls alone)")
     args = p.parse_args(argv)
+    if args.step_layers < 0:
+        p.error(f"--step-layers must be >= 0, got {args.step_layers}")
     args.only = _csv(args.only, METHODS, "method")
     try:
         args.pallas_k_splits = [int(k) for k in _csv(args.pallas_k_splits, None, "k_splits")]
@@ -928,7 +1135,7 @@ def main(argv=None):
     args.max_chain = args.max_chain or (3 if quick else 200)
     args.min_chain = 3 if quick else 8
     args.ceiling_bytes = int((args.ceiling_gib or (1 / 16 if quick else 2)) * GiB)
-    points = make_points(quick, args.seed)
+    points = make_points(quick, args.seed, step=args.step_layers > 0)
     if args.points:
         grid = {p["name"]: p for p in points}
         wanted = list(dict.fromkeys(_csv(args.points, None, "point")))
@@ -941,7 +1148,8 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     result = run(args)
     table = markdown(result)
-    store_bench.write_outputs(args.out, "attention_bench", result,
+    name = "attention_bench_step" if args.step_layers else "attention_bench"
+    store_bench.write_outputs(args.out, name, result,
                               targets_text(result) + "\n\n" + table, plot)
     print()
     print(targets_text(result))

@@ -259,7 +259,7 @@ def test_pallas_row_on_a_gpu_picks_the_fastest_k_splits(bench, monkeypatch):
     point = next(p for p in bench.make_points(True, 0) if p["name"] == "ragged4")
     args = argparse.Namespace(only=["bf16", "pallas"], pallas_k_splits=[1, 4, 64], repeats=1,
                               target_seconds=0.0, max_chain=3, min_chain=3, max_chain_jnp=16,
-                              max_chain_dense=64)
+                              max_chain_dense=64, step_layers=0)
     lines = []
     rows, skipped = bench.run_point(point, args, 1e9, 1 << 40, jax.random.key(0), lines.append)
     assert skipped == []
@@ -278,3 +278,148 @@ def test_pallas_row_on_a_gpu_picks_the_fastest_k_splits(bench, monkeypatch):
     assert f"(brief): keeping {row['label']}" in log
     (err,) = re.findall(r"sanity: \|pallas - bf16\| / \|bf16\| = (\S+)", log)
     assert float(err) < bench.PALLAS_SANITY_TOLERANCE and "WARNING" not in log
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode-step mode (--step-layers L).
+
+
+def test_attention_bench_step_quick(tmp_path):
+    """--step-layers 2 --quick on the CPU: every method's step timed at both quick points (Pallas
+    skipped as in the attention mode), rows labelled as steps, the bytes of a step (2 layers'
+    reads and the new tokens' cache bytes), the targets left to a GPU, its own output files."""
+    out = run_on_cpu(BENCH_PATH, "--quick", "--step-layers", "2", "--out", tmp_path,
+                     time_limit_s=TIME_LIMIT_S).stdout
+    assert "decode-step mode: a call is one step of 2 layers" in out
+    assert ("Targets (decode step of 4 layers, NVFP4 against dense cuDNN): not evaluated on cpu "
+            "(GPU targets)") in out
+    assert "sanity: kernel output finite" in out and "WARNING" not in out
+    assert (f"wrote {tmp_path / 'attention_bench_step.json'}, "
+            f"{tmp_path / 'attention_bench_step.md'}") in out
+    table = out[out.index("| point | method |"):]
+    assert "| µs / step |" in table and "one step of 2 layers" in out
+    for point in ("2x512", "ragged4"):
+        rows = [line for line in table.splitlines() if line.startswith(f"| {point} |")]
+        for method in ("nvfp4 step: store + jnp path (impl=auto: no kernel on cpu)",
+                       "nvfp4 step: store + jnp read (impl=jnp)",
+                       "bf16 paged step: scatter + jnp read", "dense step: scatter + dpa (",
+                       "step glue (no store, no attention)", "floor: NVFP4 bytes"):
+            assert any(method in row for row in rows), (point, method, table)
+    result = json.loads((tmp_path / "attention_bench_step.json").read_text())
+    assert result["config"]["step_layers"] == 2 and result["targets"] == []
+    assert {r["method"] for r in result["rows"]} == {"kernel", "jnp", "bf16", "dense", "glue"}
+    points = {p["name"]: p for p in result["points"]}
+    assert set(points) == {"2x512", "ragged4"}
+    for r in result["rows"]:
+        assert r["layers"] == 2 and len(r["chain_lengths"]) == 3 and r["us_per_call"] >= 0
+        p = points[r["point"]]
+        if r["method"] == "glue":
+            assert r["bytes"] is None
+            continue
+        kind = "nvfp4" if r["method"] in ("kernel", "jnp") else "bf16"
+        per_token = 2 * 8 * (72 if kind == "nvfp4" else 256)
+        assert p[f"{kind}_store_bytes"] == p["batch"] * per_token
+        assert r["bytes"] == 2 * (p[f"{kind}_bytes"] + p[f"{kind}_store_bytes"]), r
+
+
+def test_step_grid_is_the_serving_points(bench):
+    names = [p["name"] for p in bench.make_points(False, 0, step=True)]
+    assert names == ["1x4096", "8x4096", "64x1024", "8x8192", "32x8192"]
+    assert set(bench.STEP_TARGET_VS_DENSE) == set(names)
+    assert [p["name"] for p in bench.make_points(True, 0, step=True)] == ["2x512", "ragged4"]
+
+
+def test_last_slots_are_the_last_positions(bench):
+    table = np.array([[7, 3, 9], [2, 5, 0], [4, 1, 6]], np.int32)
+    lens = np.array([33, 16, 1], np.int32)  # pages 2, 0, 0; rows 0, 15, 0
+    slots = np.asarray(bench.last_slots(jnp.asarray(table), jnp.asarray(lens)))
+    assert slots.tolist() == [9 * 16 + 0, 2 * 16 + 15, 4 * 16 + 0]
+
+
+def _dense_variant(bench):
+    """A dense attention that runs on the CPU (XLA's), with the ragged lengths masked."""
+    variants = [v for v in bench.dense_variants(True) if v[0] != "cudnn"]
+    return variants[0]
+
+
+@pytest.mark.parametrize("key", ["kernel", "bf16", "dense", "pallas"])
+def test_decode_step_stores_then_attends(bench, key):
+    """One decode step of 2 layers through the benchmark's Method, against its parts called
+    directly: each layer's own caches (copies: the inputs' stay alive) hold the new token (the
+    query's first 2 x num_kv_heads heads) at each sequence's last position and nothing else
+    changed, byte for byte; the output is the reader's over the stored caches (every layer
+    stores the same token, so the second layer's output is the first's)."""
+    point, inputs = _quick_inputs(bench, [key], "ragged4")
+    attn = {"kernel": bench.nvfp4_attn("jnp"), "bf16": bench.bf16_attn,
+            "dense": bench.dense_attn(*_dense_variant(bench)),
+            "pallas": bench.pallas_attn(1, interpret=True)}[key]
+    arrays = inputs["arrays"]
+    q, table, lens = inputs["qs"][0], inputs["tables"][0], inputs["lens"]
+    k, v = q[:, :bench.NUM_KV_HEADS], q[:, bench.NUM_KV_HEADS:2 * bench.NUM_KV_HEADS]
+    slots = np.asarray(bench.last_slots(table, lens))
+    before = {name: np.asarray(arrays[name]) for name in bench._CACHES[key]}
+    stored = jax.jit(bench.STORES[key])(k, v, {n: arrays[n] for n in before}, jnp.asarray(slots),
+                                        lens, arrays)
+    # The store against numpy: the token's rows where they belong, the rest unchanged (the
+    # NVFP4 store is the library's own, tested in tests/test_store.py: here the same call).
+    if key == "kernel":
+        import jax_nvfp4
+
+        want = jax_nvfp4.reshape_and_cache(k, v, arrays["nvfp4"], jnp.asarray(slots),
+                                           arrays["k_scale"], arrays["v_scale"], layout="HND",
+                                           v_scale_swizzle=True)
+        np.testing.assert_array_equal(np.asarray(stored["nvfp4"]), np.asarray(want))
+        assert (np.asarray(want) != before["nvfp4"]).any()
+    else:
+        lens_np, bs = np.asarray(lens), bench.BLOCK_SIZE
+        for cache, x in zip(bench._CACHES[key], (np.asarray(k), np.asarray(v))):
+            want = before[cache].copy()
+            for b, slot in enumerate(slots):
+                if key == "bf16":
+                    want[slot // bs, slot % bs] = x[b]
+                elif key == "pallas":
+                    want[:, slot // bs, slot % bs] = x[b]
+                else:
+                    want[b, lens_np[b] - 1] = x[b]
+            assert (want != before[cache]).any()
+            np.testing.assert_array_equal(np.asarray(stored[cache]), want)
+    expected = np.asarray(jax.jit(attn)(q, table, lens, {**arrays, **stored}).astype(jnp.float32))
+
+    method = bench.Method(key, "step", attn, inputs, layers=2)
+    try:
+        method.start()
+        out, caches = method.carry  # the third call's: the same token stored again, same output
+        assert len(caches) == 2
+        for layer in caches:
+            for name in before:
+                np.testing.assert_array_equal(np.asarray(layer[name]), np.asarray(stored[name]))
+        np.testing.assert_allclose(method.first_out, expected, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), expected, rtol=1e-5,
+                                   atol=1e-6)
+        for name in before:  # the inputs' caches were copied, not donated
+            assert not arrays[name].is_deleted()
+            np.testing.assert_array_equal(np.asarray(arrays[name]), before[name])
+    finally:
+        method.close()
+
+
+def test_step_targets(bench):
+    """The step targets from rows: dense cuDNN's time over the NVFP4 step's against each
+    point's ratio, PASS / FAIL, not run without a row or a cuDNN dense row, and only for steps of
+    STEP_TARGET_LAYERS layers."""
+    def row(point, method, us, label="x"):
+        return {"point": point, "method": method, "us_per_call": us, "spread_pct": 1.0,
+                "label": label}
+    rows = [row("1x4096", "kernel", 50.0), row("1x4096", "dense", 60.0, "dense step (cudnn)"),
+            row("8x4096", "kernel", 100.0), row("8x4096", "dense", 150.0, "dense step (cudnn)"),
+            row("64x1024", "kernel", 100.0), row("64x1024", "dense", 500.0, "dense step (xla)")]
+    result = {"rows": rows, "config": {"step_layers": bench.STEP_TARGET_LAYERS}}
+    checks = {c["point"]: c for c in bench.evaluate_targets(result)}
+    assert checks["1x4096"]["status"] == "PASS" and checks["1x4096"]["value"] == "1.20x"
+    assert checks["8x4096"]["status"] == "FAIL" and checks["8x4096"]["value"] == "1.50x"
+    assert checks["64x1024"]["status"].startswith("not run") and "not cuDNN" in \
+        checks["64x1024"]["status"]
+    assert checks["32x8192"]["status"] == "not run"
+    result["config"]["step_layers"] = 2
+    assert all(c["status"].startswith("not run (the targets are for 4 layers)")
+               for c in bench.evaluate_targets(result))
