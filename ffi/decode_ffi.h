@@ -27,36 +27,12 @@ namespace ffi = xla::ffi;
 // Name of the FFI target; jax_nvfp4/attention_primitive.py registers the handler under it.
 inline constexpr const char kDecodeTarget[] = "jax_nvfp4_paged_attention";
 
-struct DecodeProblem {
-  const void* q;
-  const uint8_t* kv_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const float* k_scale;
-  const float* v_scale;
-  const float* sm_scale;
-  void* out;
-  float* lse;
-  float* partial_out;
-  float* partial_lse;
-  QType q_type;
-  int32_t stacked;          // L
-  int32_t batch;            // B
-  int32_t num_q_heads;      // Hq
-  int32_t num_blocks;       // pages per member
-  int32_t max_blocks;       // M, columns of block_tables
-  int32_t tables_stacked;   // 1 when block_tables has a row per member, 0 when shared
-  int32_t lens_stacked;     // likewise for seq_lens
-  int32_t k_scale_stacked;  // likewise for each scale
-  int32_t v_scale_stacked;
-  int32_t sm_scale_stacked;
-  int32_t num_splits;
-  int32_t tokens_per_split;
+struct DecodeProblem : AttentionOperands {
+  int32_t batch;  // B
   // 1: the splits of one (member, sequence, kv head, head tile) run as one thread-block
   // cluster (num_splits <= kMaxClusterSplits CTAs) and merge through distributed shared memory,
   // with no merge kernel and no workspace (then partial_out and partial_lse are empty).
   int32_t cluster_merge;
-  PageGeometry page;
   // Ragged mode, set by ragged_cuda.cu for the one-token sequences of a ragged call (batch =
   // max_num_seqs): q, out and lse rows are then tokens, [L, num_tokens, Hq]. A sequence b <
   // num_seqs that owns exactly one query token (jax_nvfp4.reference.ragged_token_plan) is
@@ -136,29 +112,9 @@ inline ffi::Error MakeDecodeProblem(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_ca
       2 * p->page.side_bytes() > kLimit)
     return DecodeArgumentError("sizes beyond 2^31");
 
-  p->q = q.untyped_data();
-  p->kv_cache = kv_cache.typed_data();
-  p->block_tables = block_tables.typed_data();
-  p->seq_lens = seq_lens.typed_data();
-  p->k_scale = k_scale.typed_data();
-  p->v_scale = v_scale.typed_data();
-  p->sm_scale = sm_scale.typed_data();
-  p->out = out->untyped_data();
-  p->lse = lse->typed_data();
-  p->partial_out = partial_out->typed_data();
-  p->partial_lse = partial_lse->typed_data();
-  p->stacked = int32_t(stacked);
+  SetAttentionOperands(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, out, lse,
+                       partial_out, partial_lse, num_splits, tokens_per_split, p);
   p->batch = int32_t(batch);
-  p->num_q_heads = int32_t(num_q_heads);
-  p->num_blocks = int32_t(cache_dims[1]);
-  p->max_blocks = int32_t(table_dims[2]);
-  p->tables_stacked = table_dims[0] == stacked && stacked > 1;
-  p->lens_stacked = len_dims[0] == stacked && stacked > 1;
-  p->k_scale_stacked = k_scale.element_count() > 1;
-  p->v_scale_stacked = v_scale.element_count() > 1;
-  p->sm_scale_stacked = sm_scale.element_count() > 1;
-  p->num_splits = num_splits;
-  p->tokens_per_split = tokens_per_split;
   p->cluster_merge = cluster_merge;
   return ffi::Error::Success();
 }

@@ -58,6 +58,76 @@ std::string ReadPageGeometry(const Dims& cache_dims, size_t first, int32_t layou
   return "";
 }
 
+// What the attention readers' kernels (decode, ragged) read alike, in their problems
+// (DecodeProblem and RaggedProblem extend it): L members (stacked layers or head groups) of rows
+// of q [L, rows, Hq, D], each row attending over the pages of its block-table row.
+struct AttentionOperands {
+  const void* q;
+  const uint8_t* kv_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const float* k_scale;
+  const float* v_scale;
+  const float* sm_scale;
+  void* out;
+  float* lse;
+  float* partial_out;  // the split-KV workspace (empty with one split)
+  float* partial_lse;
+  QType q_type;
+  int32_t stacked;          // L
+  int32_t num_q_heads;      // Hq
+  int32_t num_blocks;       // pages per member
+  int32_t max_blocks;       // M, columns of block_tables
+  int32_t tables_stacked;   // 1 when block_tables has a row per member, 0 when shared
+  int32_t lens_stacked;     // likewise for seq_lens
+  int32_t k_scale_stacked;  // likewise for each scale
+  int32_t v_scale_stacked;
+  int32_t sm_scale_stacked;
+  int32_t num_splits;
+  int32_t tokens_per_split;
+  PageGeometry page;
+};
+
+// *p's addresses, sizes and per-member flags from a call's buffers, once the handler has checked
+// them (ReadAttentionOperands, which set q_type and page, and its own shape checks): q
+// [L, rows, Hq, D], kv_cache [L, num_blocks, 2, ...], block_tables [1 or L, sequences, M],
+// seq_lens [1 or L, sequences], scales of 1 or L values.
+inline void SetAttentionOperands(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> kv_cache,
+                                 ffi::Buffer<ffi::S32> block_tables,
+                                 ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::F32> k_scale,
+                                 ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::F32> sm_scale,
+                                 ffi::Result<ffi::AnyBuffer>& out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>>& lse,
+                                 ffi::Result<ffi::Buffer<ffi::F32>>& partial_out,
+                                 ffi::Result<ffi::Buffer<ffi::F32>>& partial_lse,
+                                 int32_t num_splits, int32_t tokens_per_split,
+                                 AttentionOperands* p) {
+  const int64_t stacked = q.dimensions()[0];
+  const auto table_dims = block_tables.dimensions();
+  p->q = q.untyped_data();
+  p->kv_cache = kv_cache.typed_data();
+  p->block_tables = block_tables.typed_data();
+  p->seq_lens = seq_lens.typed_data();
+  p->k_scale = k_scale.typed_data();
+  p->v_scale = v_scale.typed_data();
+  p->sm_scale = sm_scale.typed_data();
+  p->out = out->untyped_data();
+  p->lse = lse->typed_data();
+  p->partial_out = partial_out->typed_data();
+  p->partial_lse = partial_lse->typed_data();
+  p->stacked = int32_t(stacked);
+  p->num_q_heads = int32_t(q.dimensions()[2]);
+  p->num_blocks = int32_t(kv_cache.dimensions()[1]);
+  p->max_blocks = int32_t(table_dims[2]);
+  p->tables_stacked = table_dims[0] == stacked && stacked > 1;
+  p->lens_stacked = seq_lens.dimensions()[0] == stacked && stacked > 1;
+  p->k_scale_stacked = k_scale.element_count() > 1;
+  p->v_scale_stacked = v_scale.element_count() > 1;
+  p->sm_scale_stacked = sm_scale.element_count() > 1;
+  p->num_splits = num_splits;
+  p->tokens_per_split = tokens_per_split;
+}
+
 // The operands the attention readers (decode, ragged) share, after the caller checked q's rank
 // 4 [L, rows, Hq, D]: q's dtype, out of q's dtype and size, a head size the kernels are built
 // for, the cache [L, num_blocks, 2, ...] of that head size (its page geometry into *page) with

@@ -50,37 +50,13 @@ inline constexpr int64_t kFewRowsMaxHead = 128;
 inline constexpr int32_t kFewRowsWide = 32;
 inline constexpr int32_t kFewRowsWideHead = 128;
 
-struct RaggedProblem {
-  const void* q;
-  const uint8_t* kv_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
+struct RaggedProblem : AttentionOperands {  // q's rows are tokens: [L, T, Hq, D]
   const int32_t* cu_q_lens;
   const int32_t* num_seqs;
-  const float* k_scale;
-  const float* v_scale;
-  const float* sm_scale;
-  void* out;
-  float* lse;
-  float* partial_out;
-  float* partial_lse;
-  QType q_type;
-  int32_t stacked;          // L
-  int32_t num_tokens;       // T
-  int32_t num_q_heads;      // Hq
-  int32_t max_num_seqs;     // S
-  int32_t num_blocks;       // pages per member
-  int32_t max_blocks;       // M, columns of block_tables
-  int32_t tables_stacked;   // 1 when block_tables has a row per member, 0 when shared
-  int32_t lens_stacked;     // likewise for seq_lens, cu_q_lens, num_seqs and each scale
-  int32_t cu_stacked;
-  int32_t num_seqs_stacked;
-  int32_t k_scale_stacked;
-  int32_t v_scale_stacked;
-  int32_t sm_scale_stacked;
-  int32_t num_splits;
-  int32_t tokens_per_split;
-  PageGeometry page;
+  int32_t num_tokens;        // T
+  int32_t max_num_seqs;      // S, rows of block_tables
+  int32_t cu_stacked;        // 1 when cu_q_lens has a row per member, 0 when shared
+  int32_t num_seqs_stacked;  // likewise for num_seqs
   // The sequences with one query token go to the decode kernel (launched after this one) when
   // decode_splits > 0, with this split plan and workspace; the ragged kernel skips them.
   int32_t decode_splits;
@@ -180,34 +156,14 @@ inline ffi::Error MakeRaggedProblem(
       2 * p->page.side_bytes() > kLimit)
     return RaggedArgumentError("sizes beyond 2^31");
 
-  p->q = q.untyped_data();
-  p->kv_cache = kv_cache.typed_data();
-  p->block_tables = block_tables.typed_data();
-  p->seq_lens = seq_lens.typed_data();
+  SetAttentionOperands(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, out, lse,
+                       partial_out, partial_lse, num_splits, tokens_per_split, p);
   p->cu_q_lens = cu_q_lens.typed_data();
   p->num_seqs = num_seqs.typed_data();
-  p->k_scale = k_scale.typed_data();
-  p->v_scale = v_scale.typed_data();
-  p->sm_scale = sm_scale.typed_data();
-  p->out = out->untyped_data();
-  p->lse = lse->typed_data();
-  p->partial_out = partial_out->typed_data();
-  p->partial_lse = partial_lse->typed_data();
-  p->stacked = int32_t(stacked);
   p->num_tokens = int32_t(num_tokens);
-  p->num_q_heads = int32_t(num_q_heads);
   p->max_num_seqs = int32_t(max_num_seqs);
-  p->num_blocks = int32_t(cache_dims[1]);
-  p->max_blocks = int32_t(table_dims[2]);
-  p->tables_stacked = table_dims[0] == stacked && stacked > 1;
-  p->lens_stacked = len_dims[0] == stacked && stacked > 1;
   p->cu_stacked = cu_dims[0] == stacked && stacked > 1;
   p->num_seqs_stacked = num_seqs.element_count() > 1;
-  p->k_scale_stacked = k_scale.element_count() > 1;
-  p->v_scale_stacked = v_scale.element_count() > 1;
-  p->sm_scale_stacked = sm_scale.element_count() > 1;
-  p->num_splits = num_splits;
-  p->tokens_per_split = tokens_per_split;
   p->decode_splits = decode_splits;
   p->decode_tokens_per_split = decode_tokens_per_split;
   p->decode_cluster_merge = decode_cluster_merge;
@@ -224,32 +180,13 @@ inline ffi::Error MakeRaggedProblem(
 // (p.decode_splits > 0): the same operands, the sequences as its batch.
 inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
   DecodeProblem d;
-  d.q = p.q;
-  d.kv_cache = p.kv_cache;
-  d.block_tables = p.block_tables;
-  d.seq_lens = p.seq_lens;
-  d.k_scale = p.k_scale;
-  d.v_scale = p.v_scale;
-  d.sm_scale = p.sm_scale;
-  d.out = p.out;
-  d.lse = p.lse;
+  static_cast<AttentionOperands&>(d) = p;  // the same operands; the decode launch's own plan:
   d.partial_out = p.decode_partial_out;
   d.partial_lse = p.decode_partial_lse;
-  d.q_type = p.q_type;
-  d.stacked = p.stacked;
-  d.batch = p.max_num_seqs;
-  d.num_q_heads = p.num_q_heads;
-  d.num_blocks = p.num_blocks;
-  d.max_blocks = p.max_blocks;
-  d.tables_stacked = p.tables_stacked;
-  d.lens_stacked = p.lens_stacked;
-  d.k_scale_stacked = p.k_scale_stacked;
-  d.v_scale_stacked = p.v_scale_stacked;
-  d.sm_scale_stacked = p.sm_scale_stacked;
   d.num_splits = p.decode_splits;
   d.tokens_per_split = p.decode_tokens_per_split;
-  d.cluster_merge = p.decode_cluster_merge;  // the decode reader's plan, merge included
-  d.page = p.page;
+  d.cluster_merge = p.decode_cluster_merge;  // (the decode reader's plan, merge included)
+  d.batch = p.max_num_seqs;
   d.cu_q_lens = p.cu_q_lens;
   d.num_seqs = p.num_seqs;
   d.num_tokens = p.num_tokens;
