@@ -586,13 +586,20 @@ class Method:
         self.carry = out
         return statistics.median(samples)  # an over-estimate: includes dispatch
 
-    def time_round(self, lengths, repeats):
+    def time_round(self, lengths, repeats, attempts=3):
+        """Seconds per call from chains of these lengths (2 or 3), by the benchmarks' one rule
+        (store_bench._per_call): the shortest and longest chains' difference, measured again
+        where it is not positive, NaN if it never is; the middle one gives ``linearity``."""
         t = {}
-        for n in lengths:
-            t[n], self.carry = store_bench._time_program(self.program(n), self.carry, self.args,
-                                                         repeats)
         n1, n2 = lengths[0], lengths[-1]
-        per_call = max(t[n2] - t[n1], 0.0) / (n2 - n1)
+
+        def timed_pair():
+            for n in lengths:
+                t[n], self.carry = store_bench._time_program(self.program(n), self.carry,
+                                                             self.args, repeats)
+            return t[n1], t[n2]
+
+        per_call = store_bench._per_call(timed_pair, n1, n2, attempts)
         if len(lengths) == 3:
             nm = lengths[1]
             first, second = (t[nm] - t[n1]) / (nm - n1), (t[n2] - t[nm]) / (n2 - nm)
@@ -669,7 +676,7 @@ def fastest(methods, point, args, skipped, log):
             method.close()
     if not timed:
         return None
-    best = min(timed, key=lambda t: t[0])[1]
+    best = min(timed, key=lambda t: t[0] if t[0] == t[0] else float("inf"))[1]  # NaN: last
     log("  " + ", ".join(f"{m.label} {t * 1e6:.2f} us" for t, m in timed)
         + f" (brief): keeping {best.label}")
     for _, method in timed:

@@ -423,3 +423,26 @@ def test_step_targets(bench):
     result["config"]["step_layers"] = 2
     assert all(c["status"].startswith("not run (the targets are for 4 layers)")
                for c in bench.evaluate_targets(result))
+
+
+def _time_round_with(bench, monkeypatch, times, lengths=(2, 5, 8)):
+    """Method.time_round over chains of ``lengths`` whose timed runs return ``times`` in turn;
+    the timer replaced, nothing compiled or run. Returns (seconds per call, the method)."""
+    calls = iter(times)
+    monkeypatch.setattr(bench.store_bench, "_time_program",
+                        lambda fn, state, args, repeats: (next(calls), state))
+    inputs = {"qs": None, "tables": None, "lens": None, "arrays": {}}
+    method = bench.Method("glue", "x", bench.glue_attn, inputs)
+    return method.time_round(lengths, repeats=1), method
+
+
+def test_time_round_measures_a_non_positive_difference_again(bench, monkeypatch):
+    """The benchmarks' one rule (store_bench._per_call): a longest chain that ran no longer than
+    the shortest (a loaded host) is timed again, and NaN if it never runs longer, never 0."""
+    per_call, method = _time_round_with(bench, monkeypatch, [1.0, 1.2, 0.9, 1.0, 1.3, 1.6])
+    assert per_call == pytest.approx((1.6 - 1.0) / 6) and method.rounds == [per_call]
+    assert method.linearity == pytest.approx((0.3 / 3) / (0.3 / 3))
+    per_call, method = _time_round_with(bench, monkeypatch, [1.0, 1.0, 0.9] * 3)
+    assert math.isnan(per_call) and math.isnan(method.rounds[0])
+    per_call, _ = _time_round_with(bench, monkeypatch, [1.0, 1.4], lengths=(2, 8))
+    assert per_call == pytest.approx(0.4 / 6)
