@@ -388,7 +388,7 @@ def test_decode_step_stores_then_attends(bench, key):
     method = bench.Method(key, "step", attn, inputs, layers=2)
     try:
         method.start()
-        out, caches = method.carry  # the third call's: the same token stored again, same output
+        out, caches = method.carry  # the fourth call's: the same token stored again, same output
         assert len(caches) == 2
         for layer in caches:
             for name in before:
@@ -413,10 +413,15 @@ def test_step_targets(bench):
     rows = [row("1x4096", "kernel", 50.0), row("1x4096", "dense", 60.0, "dense step (cudnn)"),
             row("8x4096", "kernel", 100.0), row("8x4096", "dense", 150.0, "dense step (cudnn)"),
             row("64x1024", "kernel", 100.0), row("64x1024", "dense", 500.0, "dense step (xla)")]
-    result = {"rows": rows, "config": {"step_layers": bench.STEP_TARGET_LAYERS}}
+    points = [bench.named_point(name, 0) for name in ("1x4096", "8x4096", "64x1024")]
+    result = {"rows": rows, "points": points,
+              "config": {"step_layers": bench.STEP_TARGET_LAYERS}}
     checks = {c["point"]: c for c in bench.evaluate_targets(result)}
     assert checks["1x4096"]["status"] == "PASS" and checks["1x4096"]["value"] == "1.20x"
+    # 4 layers of 4.7 MB of pages fit a 50 MB L2 cache; 4 of 37.7 MB do not
+    assert checks["1x4096"]["note"] == "the 4 layers' NVFP4 pages (19 MB) fit the L2 cache"
     assert checks["8x4096"]["status"] == "FAIL" and checks["8x4096"]["value"] == "1.50x"
+    assert "note" not in checks["8x4096"]
     assert checks["64x1024"]["status"].startswith("not run") and "not cuDNN" in \
         checks["64x1024"]["status"]
     assert checks["32x8192"]["status"] == "not run"
@@ -446,3 +451,50 @@ def test_time_round_measures_a_non_positive_difference_again(bench, monkeypatch)
     assert math.isnan(per_call) and math.isnan(method.rounds[0])
     per_call, _ = _time_round_with(bench, monkeypatch, [1.0, 1.4], lengths=(2, 8))
     assert per_call == pytest.approx(0.4 / 6)
+
+
+def test_decode_step_layers_apart_dependent_and_donated(bench):
+    """The step's carry (the caches of every layer) is donated; each layer stores into its own
+    caches (layers given different starting caches end as a store into each one's own); and
+    each layer's K/V come from the layer before's output: a NaN previous output makes every
+    layer's stored token NaN (a float times 0 is not folded away)."""
+    point, inputs = _quick_inputs(bench, ["bf16"], "ragged4")
+    arrays = inputs["arrays"]
+    method = bench.Method("bf16", "step", bench.bf16_attn, inputs, layers=2)
+    q, table, lens = inputs["qs"][0], inputs["tables"][0], inputs["lens"]
+    k, v = q[:, :bench.NUM_KV_HEADS], q[:, bench.NUM_KV_HEADS:2 * bench.NUM_KV_HEADS]
+    slots = bench.last_slots(table, lens)
+    starts = [{name: arrays[name] + layer for name in ("k_bf16", "v_bf16")} for layer in (0, 1)]
+    want = [jax.jit(bench.bf16_store)(k, v, start, slots, lens, arrays) for start in starts]
+    one = method.program(1)
+    carry = (jnp.zeros(q.shape, q.dtype), tuple({n: jnp.copy(x) for n, x in start.items()}
+                                                 for start in starts))
+    out, caches = one(carry, *method.args)
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves(carry))  # donated
+    for layer, cache in enumerate(caches):
+        for name in cache:
+            np.testing.assert_array_equal(np.asarray(cache[name]), np.asarray(want[layer][name]))
+    nan_prev = jnp.full(q.shape, jnp.nan, q.dtype)
+    _, caches = one((nan_prev, caches), *method.args)
+    rows = np.asarray(slots)
+    bs = bench.BLOCK_SIZE
+    for cache in caches:
+        for name in cache:
+            stored = np.asarray(cache[name].astype(jnp.float32))[rows // bs, rows % bs]
+            assert np.isnan(stored).all(), name
+    free = bench.free
+    free(caches)
+    free(starts)
+    free(want)
+
+
+def test_store_calls_counts_one_store_a_layer(bench):
+    """The kernel row's sanity line on a GPU counts the store calls in the compiled HLO: the
+    same count on the CPU's (the C++ store under the same FFI target), one a layer a call."""
+    _, inputs = _quick_inputs(bench, ["kernel"], "2x512")
+    method = bench.Method("kernel", "step", bench.nvfp4_attn("jnp"), inputs, layers=3)
+    try:
+        method.start(check_hlo=True)
+        assert bench.store_calls(method.lowered_text) == 3
+    finally:
+        method.close()
