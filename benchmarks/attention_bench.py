@@ -500,9 +500,9 @@ def last_slots(table, lens):
     return page * BLOCK_SIZE + pos % BLOCK_SIZE
 
 
-def make_decode_step(key, attn, layers):
-    """One decode step of ``layers`` layers as a chained call: the carry is (the last layer's
-    output, one dict of caches per layer), donated. Layer l's query is the call's q plus 0 x
+def make_decode_step(key, attn):
+    """One decode step as a chained call, of as many layers as the carry holds: the carry is
+    (the last layer's output, one dict of caches per layer), donated. Layer l's query is the call's q plus 0 x
     layer l - 1's output, its new K/V the query's first 2 x num_kv_heads heads (so its store
     waits for the layer before, as in a model); it stores them, then attends."""
     store = STORES[key]
@@ -552,7 +552,7 @@ class Method:
         self.key, self.label, self.layers = key, label, layers
         arrays = {k: inputs["arrays"][k] for k in _NEEDS[key]}
         if layers:
-            self.step = make_decode_step(key, attn, layers)
+            self.step = make_decode_step(key, attn)
             self.caches = {k: arrays.pop(k) for k in _CACHES[key]}  # copied per layer at start
         else:
             self.step = make_step(attn)
