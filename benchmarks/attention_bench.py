@@ -394,7 +394,7 @@ def pallas_attn(k_splits, interpret=False):
 
 def pallas_label(k_splits, layers=0):
     if layers:
-        return f"bf16 paged step: scatter + Pallas (k_splits={k_splits})"
+        return f"{STEP_LABELS['pallas']} (k_splits={k_splits})"
     return f"bf16 paged (Pallas, k_splits={k_splits})"
 
 
@@ -445,7 +445,7 @@ def dense_attn(implementation, masking):
 
 def dense_label(implementation, masking, layers=0):
     parts = [implementation or "default"] + ([masking] if masking else [])
-    return f"{'dense step: scatter + dpa' if layers else 'dense dpa'} ({', '.join(parts)})"
+    return f"{(STEP_LABELS if layers else LABELS)['dense']} ({', '.join(parts)})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -200,7 +200,7 @@ struct E2m1Differs {
     const float y = bits_float(u);
     bool differs =
         e2m1_magnitude_bits(y) != kE2m1MagnitudeBase + e2m1_magnitude_code_ladder(abs_f(y));
-    if (u < 8u)  // and each code's value read off its bits (4over6's error) against the table's
+    if (u < 8u)
       differs |= float_bits(e2m1_magnitude_of_bits(kE2m1MagnitudeBase + u)) !=
                  float_bits(e2m1_magnitude(uint8_t(u)));
     return differs;
