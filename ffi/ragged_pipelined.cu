@@ -50,7 +50,8 @@ constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
 // 3 of 128, which fit beside a raw ring of 3 slots (not RaggedShape's 4) only with both tiles'
 // q in the last stage (q is in registers before that stage is first written: an extra phase of
 // its empty barrier, kQInStage). Shared memory: the stages (1024-byte aligned), the raw ring,
-// q (64: its own), row data: 207.5 KiB (64) or 226.5 KiB (128) of the 227 KiB a CTA may have.
+// q (64: its own), row data, the consumers' ones: 207.75 KiB (64) or 226.75 KiB (128) of the
+// 227 KiB a CTA may have.
 template <int kStep>
 struct PipeShape {
   using R = RaggedShape<kPipelinedHead>;
@@ -70,7 +71,11 @@ struct PipeShape {
   static constexpr int kQOffset =
       kQInStage ? (kStages - 1) * kStageBytes : kRingOffset + kRingBytes;
   static constexpr int kRowOffset = kRingOffset + kRingBytes + (kQInStage ? 0 : kQBytes);
-  static constexpr int kSmemBytes = kRowOffset + 2 * kRows * 3 * 4;
+  // 16 x 8 fp16 ones (two 8 x 16-byte core matrices): the B of the consumers' row sums.
+  static constexpr int kOnesBytes = 256;
+  static constexpr int kOnesOffset = kRowOffset + 2 * kRows * 3 * 4;
+  static constexpr int kSmemBytes = kOnesOffset + kOnesBytes;
+  static_assert(kOnesOffset % 16 == 0, "wgmma descriptors address 16-byte units");
   static_assert(kRingSlots >= 3, "a ring step converted, one landing, one in flight");
   static_assert(!kQInStage || kQBytes <= kStageBytes, "q fits a stage");
   static_assert(kSmemBytes <= kMaxSmemPerCta, "an sm_90 CTA's shared memory");
@@ -148,6 +153,11 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   if (wg == 0) {
     // The producer.
     setmaxnreg_dec<kProducerRegisters>();
+    // The ones the consumers' row sums multiply P by: handed over with the first stage (the
+    // fence before each full arrive covers them; a consumer issues P V only after that).
+    if (t < P::kOnesBytes / 16)
+      reinterpret_cast<uint4*>(smem + P::kOnesOffset)[t] =
+          make_uint4(0x3C003C00u, 0x3C003C00u, 0x3C003C00u, 0x3C003C00u);  // fp16 1.0
     const PageView<kLayout> pv = tile_page_view<kLayout>(p, grid, member, work.seq, kv_head);
     static_assert(R::kThreadsPerVector == 1, "one producer thread per (position, side)");
     // Ring steps of 64 positions: kRawSteps of them per step.
@@ -243,15 +253,22 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   if (P::kQInStage) named_arrive(empty_barrier(P::kStages - 1), kPipeThreads);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-  float o[R::kOTiles][4];
+  // O's accumulators and, as one more tile of the same layout, the rows' sums of P: P times a
+  // B of ones on the tensor cores beside P V (each of its columns is the row's sum), rescaled
+  // with O. They sum the fp16 P that P V multiplies, with no FADD a score and no shuffles.
+  float o[R::kOTiles + 1][4];
+  float(&sums)[4] = o[R::kOTiles];
 #pragma unroll
-  for (int i = 0; i < R::kOTiles; ++i)
+  for (int i = 0; i < R::kOTiles + 1; ++i)
 #pragma unroll
     for (int k = 0; k < 4; ++k) o[i][k] = 0.f;
+  using Accumulators = float[(R::kOTiles + 1) * 4];
   float s[P::kSTiles][4];
   uint32_t a[P::kPSteps][4];  // P of the step before, wgmma A fragments
   const uint64_t k_desc = swizzled_desc(smem, 16, 1024);
   const uint64_t v_desc = swizzled_desc(smem + P::kSideBytes, P::kBlockBytes, 1024);
+  // (every byte of the tile is a one, so any reading of the two core matrices reads ones)
+  const uint64_t ones_desc = interleaved_desc(smem + P::kOnesOffset, 128, 128);
 
   const auto issue_scores = [&](int stage) {
 #pragma unroll
@@ -274,11 +291,13 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   };
   const auto issue_values = [&](int stage) {
     float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
-    wgmma_fence_operands(acc);
+    wgmma_fence_operands(reinterpret_cast<Accumulators&>(o));
     wgmma_fence();
 #pragma unroll
-    for (int k = 0; k < P::kPSteps; ++k)
+    for (int k = 0; k < P::kPSteps; ++k) {
       wgmma_64x128<1>(acc, a[k], desc_plus(v_desc, stage * P::kStageBytes + 16 * k * 128));
+      wgmma_64x8(sums, a[k], ones_desc);
+    }
     wgmma_commit();
   };
   // The online softmax of step `step`'s scores (landed), fenced on both sides by empty asms that
@@ -286,14 +305,13 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const auto softmax = [&](int step, float (&alpha)[2]) {
     float(&acc)[kStep / 2] = reinterpret_cast<float(&)[kStep / 2]>(s);
     wgmma_fence_operands(acc);
-    online_softmax(s, begin + step * kStep, kStep, rows, qd, m, l, alpha);
+    online_softmax<P::kSTiles, false>(s, begin + step * kStep, kStep, rows, qd, m, l, alpha);
     wgmma_fence_operands(acc);
   };
   // After the P V of the step before is done: O rescaled to the new max, P packed.
   const auto rescale_and_pack = [&](const float (&alpha)[2]) {
-    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
-    wgmma_fence_operands(acc);
-    rescale_o(o, alpha);
+    wgmma_fence_operands(reinterpret_cast<Accumulators&>(o));
+    rescale_o(o, alpha);  // and the sums
     pack_p(s, a);
   };
 
@@ -337,8 +355,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     issue_values(last);
     wgmma_wait<0>();
     named_arrive(empty_barrier(last), kPipeThreads);
-    float(&acc)[R::kOTiles * 4] = reinterpret_cast<float(&)[R::kOTiles * 4]>(o);
-    wgmma_fence_operands(acc);
+    wgmma_fence_operands(reinterpret_cast<Accumulators&>(o));
   }
   for (int step = my_steps; step < num_steps; ++step) {
     named_sync(full_barrier(step % P::kStages), kPipeThreads);
@@ -347,13 +364,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
-  // Each thread writes its two rows' dims (8 t + the permuted dim, + 4): the row sums over the
-  // row's 4 lanes first. A row that saw nothing in this split gets the empty result.
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(kFullMask, l[h], 1);
-    l[h] += __shfl_xor_sync(kFullMask, l[h], 2);
-  }
+  // Each thread writes its two rows' dims (8 t + the permuted dim, + 4), each row's sum its
+  // column 2 qd of the sums tile. A row that saw nothing in this split gets the empty result.
+  l[0] = sums[0];
+  l[1] = sums[2];
   const float v_scale = p.v_scale[p.v_scale_stacked ? member : 0];
   const int dim = permuted_dim_even(qd);
 #pragma unroll

@@ -415,8 +415,9 @@ __device__ __forceinline__ WarpRows warp_rows(const int32_t* row_end, const floa
 // is the scaled max of the raw ones, and each exponent is one fused multiply-add, s * scale -
 // max. Both keep the max in scaled units. Updates m and l, leaves P in s, and returns the factor
 // O must be rescaled by in alpha (rescale_o: the caller applies it, at once or once an
-// asynchronous P V still reading O is done).
-template <int kSTiles>
+// asynchronous P V still reading O is done). Without kSums, l is left alone: the caller sums P
+// itself (the pipelined kernel: on the tensor cores, as P times ones beside P V).
+template <int kSTiles, bool kSums = true>
 __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t first, int count,
                                                const WarpRows& rows, int qd, float (&m)[2],
                                                float (&l)[2], float (&alpha)[2]) {
@@ -453,7 +454,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t f
     offset[h] = top[h] == -INFINITY ? 0.f : top[h];  // nothing seen yet: no -inf - -inf
     alpha[h] = exp2_approx(m[h] - offset[h]);
     m[h] = top[h];
-    l[h] *= alpha[h];
+    if (kSums) l[h] *= alpha[h];
   }
   if (masked) {  // (two loops, not a select per score)
 #pragma unroll
@@ -462,7 +463,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t f
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         s[t][c] = exp2_approx(s[t][c] - offset[c >> 1]);
-        l[c >> 1] += s[t][c];
+        if (kSums) l[c >> 1] += s[t][c];
       }
     }
   } else {
@@ -472,7 +473,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[kSTiles][4], int32_t f
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         s[t][c] = exp2_approx(__fmaf_rn(s[t][c], rows.score_scale[c >> 1], -offset[c >> 1]));
-        l[c >> 1] += s[t][c];
+        if (kSums) l[c >> 1] += s[t][c];
       }
     }
   }

@@ -42,6 +42,15 @@ __device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leadin
          (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// A descriptor without swizzle (8 x 16-byte core matrices): start address, the byte offsets
+// between core matrices along the leading and along the strided dimension.
+__device__ __forceinline__ uint64_t interleaved_desc(const void* p, uint32_t leading_bytes,
+                                                     uint32_t stride_bytes) {
+  const uint32_t a = shared_address(p);
+  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32);
+}
+
 // The descriptor `desc` moved `bytes` further on in shared memory (a multiple of 16): the start
 // address field is the address / 16 in the low 14 bits, and shared addresses stay below 256 KB,
 // so the sum does not carry out of it. Lets a loop build its descriptors once.
@@ -123,6 +132,18 @@ __device__ __forceinline__ void wgmma_keep_a_operands(uint32_t (&a)[N][4]) {
   for (int i = 0; i < N; ++i)
 #pragma unroll
     for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(a[i][r])::"memory");
+}
+
+// d[64 x 8] += a[64 x 16] b[16 x 8], b K-major (the pipelined prefill kernel's row sums: b all
+// ones, ragged_pipelined.cu).
+__device__ __forceinline__ void wgmma_64x8(float (&d)[4], const uint32_t (&a)[4], uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0,%1,%2,%3}, {%4,%5,%6,%7}, %8, 1, 1, "
+      "1, 0;\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#endif
 }
 
 // d[64 x 32] += a[64 x 16] b[16 x 32], b K-major (the few-row kernel's wide path,
