@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import math
 import os
 import re
 import statistics
@@ -682,7 +683,7 @@ def fastest(methods, point, args, skipped, log):
             method.close()
     if not timed:
         return None
-    best = min(timed, key=lambda t: t[0] if t[0] == t[0] else float("inf"))[1]  # NaN: last
+    best = min(timed, key=lambda t: float("inf") if math.isnan(t[0]) else t[0])[1]  # NaN: last
     log("  " + ", ".join(f"{m.label} {t * 1e6:.2f} us" for t, m in timed)
         + f" (brief): keeping {best.label}")
     for _, method in timed:
@@ -846,6 +847,12 @@ def add_speedups(rows):
                         if other and r["us_per_call"] > 0 and other["us_per_call"] > 0 else None)
 
 
+def _within_noise(value, target, spread_pct):
+    """Whether a target's margin, |value - target| as a % of the target, is inside the timing
+    spread (the two timings' distance, %) of the rows it comes from."""
+    return abs(value - target) / target * 100 < spread_pct
+
+
 def evaluate_step_targets(result):
     """Issue 18's decode-step targets (a step of STEP_TARGET_LAYERS layers): the NVFP4 step's
     speed over the dense cuDNN step's at each point of STEP_TARGET_VS_DENSE."""
@@ -869,10 +876,10 @@ def evaluate_step_targets(result):
             continue
         speedup = dense["us_per_call"] / kernel["us_per_call"]
         ok = speedup > ratio if ratio == 1 else speedup >= ratio
-        margin = abs(speedup - ratio) / ratio * 100
         check = {"point": name, "target": target, "value": f"{speedup:.2f}x",
                  "status": "PASS" if ok else "FAIL",
-                 "within_noise": margin < kernel["spread_pct"] + dense["spread_pct"]}
+                 "within_noise": _within_noise(speedup, ratio,
+                                               kernel["spread_pct"] + dense["spread_pct"])}
         nvfp4_pages = layers * next(p["nvfp4_bytes"] for p in result["points"]
                                     if p["name"] == name)
         if nvfp4_pages <= L2_BYTES:  # (the docstring's caveat, on the line it concerns)
@@ -895,10 +902,9 @@ def evaluate_targets(result):
                            "status": "not run"})
             continue
         ok = r["pct_ceiling"] >= pct
-        margin = abs(r["pct_ceiling"] - pct) / pct * 100
         checks.append({"point": name, "target": f">= {pct}% of ceiling",
                        "value": f"{r['pct_ceiling']:.1f}%", "status": "PASS" if ok else "FAIL",
-                       "within_noise": margin < r["spread_pct"]})
+                       "within_noise": _within_noise(r["pct_ceiling"], pct, r["spread_pct"])})
     for name in ragged or ["ragged32"]:
         r = kernel.get(name)
         target = f"<= {TARGET_RAGGED_X_FLOOR}x its bytes floor"
@@ -906,10 +912,10 @@ def evaluate_targets(result):
             checks.append({"point": name, "target": target, "value": None, "status": "not run"})
             continue
         ok = r["x_floor"] <= TARGET_RAGGED_X_FLOOR
-        margin = abs(r["x_floor"] - TARGET_RAGGED_X_FLOOR) / TARGET_RAGGED_X_FLOOR * 100
         checks.append({"point": name, "target": target, "value": f"{r['x_floor']:.2f}x",
                        "status": "PASS" if ok else "FAIL",
-                       "within_noise": margin < r["spread_pct"]})
+                       "within_noise": _within_noise(r["x_floor"], TARGET_RAGGED_X_FLOOR,
+                                                     r["spread_pct"])})
     return checks
 
 

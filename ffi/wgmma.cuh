@@ -33,22 +33,21 @@ __host__ __device__ __forceinline__ int swizzle128_offset(int row, int col) {
 // (the mma.sync A-fragment layout, warp w holding rows 16 w .. 16 w + 15) by a B in shared
 // memory read through a descriptor; the accumulators have the mma.sync C layout, 8 columns per
 // group of 4 registers.
-// A shared-memory matrix descriptor, 128-byte swizzle: start address, the byte offset between
-// 64-element blocks along the leading dimension (MN-major B) and between 8-row groups.
-__device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leading_bytes,
-                                                  uint32_t stride_bytes) {
-  const uint32_t a = shared_address(p);
-  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) |
-         (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
-}
-
-// A descriptor without swizzle (8 x 16-byte core matrices): start address, the byte offsets
-// between core matrices along the leading and along the strided dimension.
+// A shared-memory matrix descriptor without swizzle (8 x 16-byte core matrices): start
+// address, the byte offsets between core matrices along the leading and along the strided
+// dimension.
 __device__ __forceinline__ uint64_t interleaved_desc(const void* p, uint32_t leading_bytes,
                                                      uint32_t stride_bytes) {
   const uint32_t a = shared_address(p);
   return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t((leading_bytes >> 4) & 0x3FFF) << 16) |
          (uint64_t((stride_bytes >> 4) & 0x3FFF) << 32);
+}
+
+// The same fields with the 128-byte swizzle (layout type 1 in bits 62-63): the byte offset
+// between 64-element blocks along the leading dimension (MN-major B) and between 8-row groups.
+__device__ __forceinline__ uint64_t swizzled_desc(const void* p, uint32_t leading_bytes,
+                                                  uint32_t stride_bytes) {
+  return interleaved_desc(p, leading_bytes, stride_bytes) | (uint64_t(1) << 62);
 }
 
 // The descriptor `desc` moved `bytes` further on in shared memory (a multiple of 16): the start
