@@ -1,7 +1,7 @@
 """benchmarks/ab.sh without a GPU: its arguments, its dry run, the kernel variants kept in
 benchmarks/variants/ (each must still apply to the tree: a stale one fails here), and its run
 loop with a stand-in for pip (A and B alternate, B's runs import from B's folder, a failing run
-fails the whole)."""
+fails the whole), and its arms (--arm: B, C, D, ... against one A, each from its own folder)."""
 
 from __future__ import annotations
 
@@ -162,3 +162,156 @@ def test_relative_ab_dir_and_patch_are_the_callers(tmp_path):
                           env={**os.environ, "AB_DIR": "rel"})
     assert done.returncode == 0, done
     assert (tmp_path / "rel" / "tree" / "ffi").is_dir() and not (ROOT / "rel").exists()
+
+
+# Arms (--arm): several variants against one A in one call.
+
+def line_patch(path, rel, new, old=None):
+    """A patch at `path` that replaces the first line of the tree's `rel` by `new` (one that
+    does not apply where `old`, the line it removes, is not the tree's)."""
+    first, *context = (ROOT / rel).read_text().splitlines()[:3]
+    path.write_text(f"diff --git a/{rel} b/{rel}\n--- a/{rel}\n+++ b/{rel}\n"
+                    f"@@ -1,3 +1,3 @@\n-{first if old is None else old}\n+{new}\n"
+                    + "".join(f" {line}\n" for line in context))
+    return path
+
+
+@pytest.fixture
+def patches(tmp_path):
+    """Two patches that apply to the tree, alone or together (different files)."""
+    return (line_patch(tmp_path / "p1.patch", "ffi/decode_cuda.cu", "// p1"),
+            line_patch(tmp_path / "p2.patch", "jax_nvfp4/__init__.py", "# p2"))
+
+
+def test_dry_run_lists_every_arm_and_runs_them_in_turn(tmp_path, patches):
+    p1, p2 = patches
+    ab = tmp_path / "ab"
+    done = run("--patch", p1, "--arm", p2, "--arm", f"{p1},{p2}", "--rounds", "2", "--dry-run",
+               "--", "python3", "-c", "1", env={"AB_DIR": str(ab)})
+    assert done.returncode == 0, done
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("build A: ")
+    # Each arm's tree (with its patches, in order) and build; B's paths as without arms.
+    trees = {line.split(":")[0][5:]: line for line in lines if line.startswith("tree ")}
+    builds = {line.split(":")[0][6:]: line for line in lines if line.startswith("build ")}
+    assert list(trees) == list("BCD") and list(builds) == list("ABCD"), lines
+    assert trees["B"].startswith(f"tree B: {ab}/tree = ") and trees["B"].endswith(f" + {p1}")
+    assert trees["C"].startswith(f"tree C: {ab}/tree-c = ") and trees["C"].endswith(f" + {p2}")
+    assert trees["D"].startswith(f"tree D: {ab}/tree-d = ") and trees["D"].endswith(
+        f" + {p1} {p2}")
+    for arm, x, tree in [("B", "b", "tree"), ("C", "c", "tree-c"), ("D", "d", "tree-d")]:
+        assert builds[arm].startswith(f"build {arm}: (cd {ab}/{tree} && ") and builds[arm].endswith(
+            f"--config-settings=build-dir={ab}/build-{x} --target {ab}/{arm} .)"), builds[arm]
+    runs = [line for line in lines if line.startswith("run ")]
+    assert [line.split(":")[0] for line in runs] == [
+        f"run {side}, round {r}" for r in (1, 2) for side in "ABCD"]
+    assert all(line.endswith(": python3 -c 1") for line in runs[::4]), runs
+    for i, arm in enumerate("BCD", 1):
+        assert all(line.endswith(f": PYTHONPATH={ab}/{arm} python3 -c 1") for line in runs[i::4])
+    assert not ab.exists()  # a dry run touches nothing
+    # --arm alone makes B (B's paths), and --a none runs the arms alone.
+    lines = run("--arm", p2, "--a", "none", "--rounds", "1", "--dry-run", "--", "true",
+                env={"AB_DIR": str(ab)}).stdout.splitlines()
+    assert lines[1] == (f"tree B: {ab}/tree = this tree's pyproject.toml CMakeLists.txt"
+                        f" README.md ffi jax_nvfp4 + {p2}"), lines
+    assert lines[2].startswith("build B: ") and lines[2].endswith(
+        f"build-dir={ab}/build-b --target {ab}/B .)"), lines
+    assert [line for line in lines if line.startswith("run ")] == [
+        f"run B, round 1: PYTHONPATH={ab}/B true"], lines
+    assert not any(line.startswith(("tree C", "build C")) for line in lines), lines
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--arm", "no_such.patch", "--", "true"], "no patch file 'no_such.patch'"),
+    (["--arm", "{p1},no_such.patch", "--", "true"], "no patch file 'no_such.patch'"),
+    (["--arm", "{p1},", "--", "true"], "empty patch file"),
+    (["--arm", "", "--", "true"], "empty patch file"),
+    (["--arm"], "--arm needs a value"),
+    (["--arm", "{p1}"], "no command after --"),
+])
+def test_bad_arm_arguments_exit_2(patches, args, words):
+    done = run(*(a.format(p1=patches[0]) for a in args))
+    assert done.returncode == 2 and words in done.stderr and "--arm FILE[,FILE...]" in (
+        done.stderr), done
+
+
+def test_at_most_8_arms(tmp_path, patches):
+    env = {"AB_DIR": str(tmp_path / "ab")}
+    eight = [a for _ in range(8) for a in ("--arm", patches[0])]
+    done = run(*eight, "--dry-run", "--", "true", env=env)  # B to I
+    assert done.returncode == 0 and f"run I, round 1: PYTHONPATH={tmp_path}/ab/I true" in (
+        done.stdout), done
+    for nine in [[*eight, "--arm", patches[1]], ["--patch", patches[1], *eight]]:
+        done = run(*nine, "--dry-run", "--", "true", env=env)
+        assert done.returncode == 2 and "9 arms: at most 8 (B to I)" in done.stderr, done
+        assert done.stdout == "", done
+
+
+def test_check_applies_every_arm_to_its_own_tree(tmp_path, patches):
+    p1, p2 = patches
+    ab = tmp_path / "ab"
+    done = run("--arm", p1, "--arm", f"{p2},{p1}", "--check",
+               env={"AB_DIR": str(ab)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"tree B in {ab}/tree; tree C in {ab}/tree-c" in done.stdout, done
+    b, c = ab / "tree", ab / "tree-c"
+    assert sorted(p.name for p in c.iterdir()) == sorted(p.name for p in b.iterdir()) == [
+        "CMakeLists.txt", "README.md", "ffi", "jax_nvfp4", "pyproject.toml"]
+    decode, init = "ffi/decode_cuda.cu", "jax_nvfp4/__init__.py"
+    assert (b / decode).read_text().startswith("// p1\n")  # B: p1 alone
+    assert (b / init).read_text() == (ROOT / init).read_text()
+    assert (c / decode).read_text().startswith("// p1\n")  # C: p2 then p1
+    assert (c / init).read_text().startswith("# p2\n")
+    assert not (ab / "B").exists() and not (ab / "C").exists()  # nothing built
+
+
+def test_an_arm_whose_patch_does_not_apply_exits_2_naming_it(tmp_path, patches):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    bad = line_patch(tmp_path / "bad.patch", "ffi/decode_cuda.cu", "// bad",
+                     old="no_such_line_here")
+    env = {"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"}
+    for args, arm in [(["--arm", patches[0], "--arm", bad], "C"),
+                      (["--patch", patches[0], "--arm", patches[1], "--arm", f"{patches[1]},{bad}"],
+                       "D"),
+                      (["--arm", bad, "--arm", patches[0]], "B")]:
+        for check in (["--check"], ["--", "true"]):  # and before any build (A's would fail)
+            done = run(*args, *check, env=env)
+            assert done.returncode == 2, done
+            assert f"ab: {bad} does not apply to the tree (arm {arm})" in done.stderr, done
+            assert "build A" not in done.stdout and "== " not in done.stdout, done
+
+
+def test_run_loop_alternates_every_arm_each_importing_from_its_folder(tmp_path, patches):
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
+    fake.chmod(0o755)
+    ab = tmp_path / "ab"
+    probe = ("import os, jax_nvfp4; print('path=' + (os.environ.get('PYTHONPATH') or '-') "
+             "+ ' from=' + os.path.dirname(os.path.dirname(jax_nvfp4.__file__)))")
+    done = run("--arm", patches[0], "--arm", patches[1], "--", sys.executable, "-P", "-c", probe,
+               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": "/no/such/extra"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    # Both arms built before any run, each into its own folder with its own log.
+    assert out.index("ab: built B") < out.index("ab: built C") < out.index("== A, round 1")
+    assert (ab / "build-b.log").exists() and (ab / "build-c.log").exists()
+    assert (ab / "tree-c").is_dir() and (ab / "C" / "jax_nvfp4" / "__init__.py").exists()
+    assert (f"; B imports {ab}/B/jax_nvfp4/__init__.py; C imports {ab}/C/jax_nvfp4/__init__.py"
+            in out), out
+    runs = [line for line in out.splitlines() if line.startswith(("== ", "path="))]
+    assert runs[::3] == [f"== {side}, round {r}" for r in (1, 2) for side in "ABC"], runs
+    a, b, c = runs[1], runs[4], runs[7]
+    assert a.startswith("path=/no/such/extra from=") and f"{ab}" not in a, runs
+    assert b == f"path={ab}/B:/no/such/extra from={ab}/B", runs
+    assert c == f"path={ab}/C:/no/such/extra from={ab}/C", runs
+    assert runs[10] == a and runs[13] == b and runs[16] == c, runs
+    assert all(line.endswith(" s") and "exit 0" in line for line in runs[2::3]), runs
+    # One arm's failing run fails the whole; every run still runs.
+    done = run("--arm", patches[0], "--arm", patches[1], "--a", "none", "--rounds", "1", "--",
+               "bash", "-c", f'[[ "$PYTHONPATH" != {ab}/C ]]',
+               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": ""})
+    assert done.returncode == 1, done
+    assert "== B, round 1: exit 0" in done.stdout and "== C, round 1: exit 1" in done.stdout
+    assert "== A" not in done.stdout
