@@ -18,7 +18,7 @@ PYTHON="${PYTHON:-python3}"
 DEFAULT_BUDGET=540          # seconds per part: one device call is limited to 10 minutes
 PROPERTY_EXAMPLES=10        # examples per property test in each round of the long profile
 SOAK_STEPS=10000
-RETRIES=1                   # runs again of a sanitizer part whose process died without a report
+RETRIES=3                   # runs again of a sanitizer part whose process died (resumed: below)
 MIN_RETRY_SECONDS=30        # of its budget left, for a run again to start
 DRY_RUN=0
 PARTS_ARG="all"
@@ -79,10 +79,13 @@ Options:
   --property-examples N  examples per property test per round (default $PROPERTY_EXAMPLES)
   --soak-steps N      soak steps (default $SOAK_STEPS)
   --retries N         run a sanitizer part again, up to N times, when its process died of a
-                      signal with no report from the tool (compute-sanitizer itself crashes now
+                      signal before the tool's summary (compute-sanitizer itself crashes now
                       and then: TESTING.md), within what is left of its budget (default
-                      $RETRIES; 0: never). Its summary line names every crash before the run
-                      that decided it; each run has its own log
+                      $RETRIES; 0: never). A pytest part resumes: the next run deselects the
+                      tests that passed or skipped in the runs before it (not the failed ones,
+                      nor the one that was running); ragged-cases runs whole again. Its summary
+                      line names every crash and how many tests each run deselected; each run
+                      has its own log, and a report in any run fails the part
   --python PY         the Python to run (default \$PYTHON or python3)
   --dry-run           print "PART<TAB>BUDGET<TAB>COMMAND" for each selected part; run nothing
   --list              print the part names, one a line
@@ -344,13 +347,16 @@ for part in "${PARTS[@]}"; do
     command_of "$part"
     start=$SECONDS
     attempt=0
-    crashes=""
+    notes=""
+    logs=()
+    RESUME=()   # --deselect ID for each test that finished in an earlier run of this part
     while :; do
         if ((attempt)); then
             log="$WORK/${part/:/-}.retry$attempt.log"
             echo "### $part, run $((attempt + 1)) $(date -u +%H:%M:%S)" > "$log"
         fi
-        echo "### $(printf '%q ' "${CMD[@]}")" >> "$log"
+        logs+=("$log")
+        echo "### $(printf '%q ' "${CMD[@]}" "${RESUME[@]}")" >> "$log"
         run_start=$SECONDS
         left=$((budget - (SECONDS - start)))
         if ((left < 1)); then  # (a run again whose budget went to reading the last log)
@@ -358,16 +364,37 @@ for part in "${PARTS[@]}"; do
             rc=124
             break
         fi
-        timeout -k 30 "$left" "${CMD[@]}" >> "$log" 2>&1
+        timeout -k 30 "$left" "${CMD[@]}" "${RESUME[@]}" >> "$log" 2>&1
         rc=$?
-        # Died of a signal (not the timeout's: 124, 137) with no report and no summary from the
-        # tool: compute-sanitizer's own crash (TESTING.md), not a finding. Run it again.
+        # A resumed run left nothing to run (every test had finished; the tool died after
+        # pytest's end): pytest's exit 5, "no tests ran", is this run's pass.
+        if ((rc == 5 && ${#RESUME[@]})); then
+            notes+="run $((attempt + 1)) had no test left (pytest's rc=5); "
+            rc=0
+        fi
+        # Died of a signal (not the timeout's: 124, 137) before the tool's summary:
+        # compute-sanitizer's own crash (TESTING.md). Run it again; a report it printed before
+        # it died still counts (the part's counts cover all its runs).
         if [[ "$part" == *:* ]] && ((rc > 128 && rc != 137 && attempt < RETRIES)) \
                 && ((budget - (SECONDS - start) >= MIN_RETRY_SECONDS)); then
             counts="$("$PYTHON" tests/sanitizer_log.py "$log")"
+            # (A report before the crash is a finding: the part fails, with no run again.)
             if [[ "$counts" == "errors=0 summaries=0 "* ]]; then
-                crashes+="run $((attempt + 1)) died: rc=$rc after $((SECONDS - run_start))s, $counts; "
+                notes+="run $((attempt + 1)) died: rc=$rc after $((SECONDS - run_start))s, $counts; "
                 attempt=$((attempt + 1))
+                # A pytest part resumes where it died: the next run deselects the tests that
+                # passed or skipped in the runs so far, so that it does not spend its budget
+                # redoing them and die again before the end (memcheck:ragged died in all three
+                # runs from the start, after 34, 18 and 19 of its 43 tests: TESTING.md).
+                # ragged-cases (one script, no pytest) runs whole again.
+                if [[ "$part" != *:ragged-cases ]]; then
+                    RESUME=()
+                    while IFS= read -r test_id; do
+                        [[ -n "$test_id" ]] && RESUME+=(--deselect "$test_id")
+                    done < <("$PYTHON" tests/sanitizer_log.py --finished "${logs[@]}")
+                    notes+="run $((attempt + 1)) resumed: $((${#RESUME[@]} / 2)) finished tests"
+                    notes+=" deselected; "
+                fi
                 continue
             fi
         fi
@@ -380,17 +407,25 @@ for part in "${PARTS[@]}"; do
         ragged-cases|*:ragged-cases) details="$(grep '^worst ' "$log" | tail -n 1)" ;;
         *) details="$(pytest_result "$log")" ;;
     esac
+    # A resumed run's result line counts the tests it was left only: the tally over all runs'
+    # logs (each test once, at its last outcome) says the whole.
+    if ((${#RESUME[@]})); then
+        tally="$("$PYTHON" tests/sanitizer_log.py --tally "${logs[@]}")"
+        details="last run: ${details:-no result line in its log}; all runs: ${tally:-no test outcome}"
+    fi
     if [[ "$part" == *:* ]]; then
-        counts="$("$PYTHON" tests/sanitizer_log.py "$log")"
-        # A sanitizer part passes when the tests passed and the tool reported nothing; no
-        # summary line at all means the sanitized process did not finish.
-        if [[ "$status" == PASS && ( "$counts" != errors=0\ * || "$counts" == *summaries=0\ * ) ]]; then
+        counts="$("$PYTHON" tests/sanitizer_log.py "${logs[@]}")"
+        last="$counts"
+        ((${#logs[@]} > 1)) && last="$("$PYTHON" tests/sanitizer_log.py "$log")"
+        # A sanitizer part passes when the tests passed and the tool reported nothing in any
+        # of its runs; no summary line in the last run means it did not finish.
+        if [[ "$status" == PASS && ( "$counts" != errors=0\ * || "$last" == *summaries=0\ * ) ]]; then
             status=FAIL
         fi
         ((rc == 99)) && details="sanitizer reported errors; $details"
         details="$counts${details:+; $details}"
     fi
-    record "$part" "$status" "$seconds" "rc=$rc; ${crashes}${details:-no result line in the log}"
+    record "$part" "$status" "$seconds" "rc=$rc; ${notes}${details:-no result line in the log}"
 done
 
 # Compact logs for LOG_DIR: each cut to its first and last 2 MiB (where the tools' summaries

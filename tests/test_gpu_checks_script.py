@@ -233,8 +233,22 @@ exec {python} "$@"
 FAKE_SANITIZER = """#!/bin/bash
 # compute-sanitizer's options, then the program; reports FAKE_ERRORS errors. Where FAKE_CRASHES
 # names a file holding a count above 0, it counts one down and dies of SIGSEGV inside a test
-# (compute-sanitizer's own crash: no summary).
+# (compute-sanitizer's own crash: no summary). Where FAKE_RUNS names a folder, run N (counted by
+# the argv.N files it leaves there: the program's argv, NUL-separated) prints N.out in place of
+# the program where that file exists, then dies of SIGSEGV where N.segv exists, else prints its
+# summary and exits with N.rc's status (_canned_runs).
 while [[ "$1" == --* ]]; do shift 2; done
+if [[ -n "${FAKE_RUNS:-}" ]]; then
+    n=1
+    while [[ -e "$FAKE_RUNS/argv.$n" ]]; do n=$((n + 1)); done
+    printf '%s\\0' "$@" > "$FAKE_RUNS/argv.$n"
+    if [[ -e "$FAKE_RUNS/$n.out" ]]; then
+        cat "$FAKE_RUNS/$n.out"
+        if [[ -e "$FAKE_RUNS/$n.segv" ]]; then kill -SEGV $$; fi
+        echo "========= ERROR SUMMARY: 0 errors"
+        exit "$(cat "$FAKE_RUNS/$n.rc")"
+    fi
+fi
 if [[ -n "${FAKE_CRASHES:-}" ]] && (( $(cat "$FAKE_CRASHES") > 0 )); then
     echo $(( $(cat "$FAKE_CRASHES") - 1 )) > "$FAKE_CRASHES"
     echo "tests/test_x.py::test_y "
@@ -311,7 +325,8 @@ def test_run_loop_reports_errors_failures_and_timeouts(tmp_path, fake_machine):
 
 def test_a_sanitizer_crash_is_run_again_and_named(tmp_path, fake_machine):
     """A sanitizer part whose process dies of a signal with no report runs again (--retries,
-    default 1) in its own log; the summary names the crash and where it died."""
+    default 3) in its own log; the summary names the crash and where it died. (This crash
+    comes before any test finished: the next run deselects none.)"""
     crashes = tmp_path / "crashes"
     crashes.write_text("1")
     done = run("--parts", "memcheck:decode", "--log-dir", str(tmp_path / "once"),
@@ -319,8 +334,9 @@ def test_a_sanitizer_crash_is_run_again_and_named(tmp_path, fake_machine):
     assert done.returncode == 0, done
     line = _summary(tmp_path / "once")["memcheck:decode"]
     assert re.match(r"memcheck:decode +PASS +\d+s  rc=0; run 1 died: rc=139 after \d+s, errors=0 "
-                    r"summaries=0 by_kernel=- unfinished=tests/test_x.py::test_y; errors=0 "
-                    r"summaries=1 by_kernel=-; \d+ (passed|skipped)", line), line
+                    r"summaries=0 by_kernel=- unfinished=tests/test_x.py::test_y; run 2 resumed: "
+                    r"0 finished tests deselected; errors=0 summaries=1 by_kernel=-; "
+                    r"\d+ (passed|skipped)", line), line
     with tarfile.open(tmp_path / "once" / "logs.tar.gz") as tar:
         assert sorted(n for n in tar.getnames() if n.endswith(".log")) == [
             "./memcheck-decode.log", "./memcheck-decode.retry1.log"]
@@ -337,6 +353,158 @@ def test_a_sanitizer_crash_is_run_again_and_named(tmp_path, fake_machine):
             retries == "1"), line
         assert line.endswith("errors=0 summaries=0 by_kernel=- unfinished=tests/test_x.py::"
                              "test_y"), line  # (no pytest result line)
+
+
+RAGGED = "tests/test_ragged_attention.py::"
+FEW_ROWS = RAGGED + "test_gpu_max_q_len_few_row_kernel_alone[2-64-NHD-12]"
+VMAP = RAGGED + "test_gpu_vmap_stacked_layers_is_one_launch_and_matches"
+CHECKED = RAGGED + "test_gpu_checked_and_dynamic_num_seqs"
+WIDE = RAGGED + "test_gpu_wide_rows_kernel_occupancy"
+SESSION = """============================= test session starts ==============================
+platform linux -- Python 3.12.3, pytest-8.3.5, pluggy-1.5.0 -- /usr/bin/python3
+rootdir: /src/repo
+configfile: pyproject.toml
+collecting ... collected 70 items / 27 deselected / 43 selected
+
+"""
+INVALID_READ = """========= Invalid __global__ read of size 4 bytes
+=========     at 0x70 in /src/ffi/ragged_cuda.cu:10:nvfp4::RaggedKernel(int *)
+=========     by thread (0,0,0) in block (0,0,0)
+=========
+"""
+
+
+def _canned_runs(folder, *runs):
+    """FAKE_RUNS's folder (FAKE_SANITIZER): run N prints runs[N-1]'s pytest -v output, then
+    dies of SIGSEGV ("segv") or exits with the status given; runs past these run the program."""
+    folder.mkdir()
+    for n, (output, end) in enumerate(runs, 1):
+        (folder / f"{n}.out").write_text(output)
+        (folder / (f"{n}.segv" if end == "segv" else f"{n}.rc")).write_text(str(end))
+    return folder
+
+
+def _argv(folder, n):
+    """The program's argv in run n, None where there was no run n."""
+    path = folder / f"argv.{n}"
+    return path.read_bytes().decode().split("\0")[:-1] if path.exists() else None
+
+
+def _deselected(argv):
+    return [argv[i + 1] for i, arg in enumerate(argv) if arg == "--deselect"]
+
+
+def test_a_crashed_sanitizer_part_resumes_where_it_died(tmp_path, fake_machine):
+    """memcheck:ragged died in all three runs from the start, each before its end (TESTING.md):
+    a pytest part that dies resumes instead, the next run deselecting the tests that PASSED or
+    SKIPPED (each id one argv entry, brackets and all), not the one that was running. The
+    second run here is real pytest, which must take those ids; the summary names the resume
+    and says what the last run's result line covers."""
+    runs = _canned_runs(tmp_path / "runs", (SESSION + f"{FEW_ROWS} PASSED [  2%]\n"
+                                            f"{VMAP} SKIPPED (no GPU) [  4%]\n{CHECKED} ", "segv"))
+    done = run("--parts", "memcheck:ragged", "--log-dir", str(tmp_path / "logs"),
+               env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert done.returncode == 0, done
+    first, second = _argv(runs, 1), _argv(runs, 2)
+    assert second == first + ["--deselect", FEW_ROWS, "--deselect", VMAP], second
+    assert _argv(runs, 3) is None
+    line = _summary(tmp_path / "logs")["memcheck:ragged"]
+    assert re.fullmatch(
+        r"memcheck:ragged +PASS +\d+s  rc=0; run 1 died: rc=139 after \d+s, errors=0 summaries=0 "
+        rf"by_kernel=- unfinished={re.escape(CHECKED)}; run 2 resumed: 2 finished tests "
+        r"deselected; errors=0 summaries=1 by_kernel=-; last run: (\d+) skipped, 29 deselected "
+        r"in [\d.]+s; all runs: 1 passed, (\d+) skipped", line), line
+    skipped, in_all = map(int, re.findall(r"(\d+) skipped", line))
+    assert skipped == 41 and in_all == skipped + 1, line  # (43 GPU tests, 2 deselected)
+    with tarfile.open(tmp_path / "logs" / "logs.tar.gz") as tar:
+        assert sorted(n for n in tar.getnames() if n.endswith(".log")) == [
+            "./memcheck-ragged.log", "./memcheck-ragged.retry1.log"]
+        resumed = tar.extractfile("./memcheck-ragged.retry1.log").read().decode()
+    # The command as run, deselections included; the deselected tests did not run again, the
+    # one that was running did.
+    command = shlex.split(resumed.splitlines()[1].removeprefix("### "))
+    assert command[-4:] == ["--deselect", FEW_ROWS, "--deselect", VMAP], command
+    ran = sanitizer_log.outcomes(resumed)
+    assert CHECKED in ran and FEW_ROWS not in ran and VMAP not in ran, ran
+    assert re.search(r"default\s+3; 0: never", run("--help").stdout)
+
+
+def test_a_report_in_a_crashed_run_fails_the_part(tmp_path, fake_machine):
+    """A report the tool printed before it died is a finding: the part fails at once, with no
+    run again to spend the budget on (a crash with 0 reports is the tool's own and resumes)."""
+    runs = _canned_runs(tmp_path / "runs",
+                        (SESSION + f"{FEW_ROWS} PASSED [  2%]\n{CHECKED} " + INVALID_READ, "segv"),
+                        (SESSION + f"{CHECKED} PASSED [ 50%]\n\n"
+                         "======================= 1 passed, 1 deselected in 1.00s ========="
+                         "==============\n", 0))
+    done = run("--parts", "memcheck:ragged", "--log-dir", str(tmp_path),
+               env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert done.returncode == 1, done
+    assert _argv(runs, 2) is None  # no second run
+    line = _summary(tmp_path)["memcheck:ragged"]
+    assert re.fullmatch(
+        r"memcheck:ragged +FAIL +\d+s  rc=139; errors=1 summaries=0 by_kernel=RaggedKernel:1 "
+        rf"unfinished={re.escape(CHECKED)}(; .*)?", line), line
+
+
+def test_failed_tests_run_again_and_the_retry_limit_holds(tmp_path, fake_machine):
+    """A test that FAILED before the crash is not deselected (it runs again: the last result
+    shows it), a test that passes later is; --retries (default 3) still bounds the runs."""
+    a, b, c, d = (RAGGED + f"test_gpu_kernel_matches_float64[{i}]" for i in (0, 4, 6, 8))
+    runs = _canned_runs(
+        tmp_path / "runs",
+        (SESSION + f"{a} FAILED [  2%]\n{b} PASSED [  4%]\n{c} ", "segv"),
+        (SESSION + f"{a} FAILED [  2%]\n{c} PASSED [  4%]\n{d} ", "segv"),
+        (SESSION + f"{a} PASSED [  2%]\n{d} ", "segv"),
+        (SESSION + f"{d} ", "segv"),
+        (SESSION + f"{d} PASSED\n", 0))  # (a fifth run would pass: there is none)
+    done = run("--parts", "memcheck:ragged", "--log-dir", str(tmp_path / "logs"),
+               env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert done.returncode == 1, done
+    assert [_deselected(_argv(runs, n)) for n in (1, 2, 3, 4)] == [[], [b], [b, c], [a, b, c]]
+    assert _argv(runs, 5) is None
+    line = _summary(tmp_path / "logs")["memcheck:ragged"]
+    deaths = re.findall(r"run (\d) died: rc=139", line)
+    resumes = re.findall(r"run (\d) resumed: (\d) finished tests deselected", line)
+    assert deaths == ["1", "2", "3"] and resumes == [("2", "1"), ("3", "2"), ("4", "3")], line
+    assert re.match(r"memcheck:ragged +FAIL +\d+s  rc=139; ", line), line
+    assert line.endswith(f"errors=0 summaries=0 by_kernel=- unfinished={d}; last run: no result "
+                         "line in its log; all runs: 3 passed"), line
+    # --retries 1: two runs.
+    runs = _canned_runs(tmp_path / "once", *[(SESSION + f"{a} PASSED\n{b} ", "segv")] * 3)
+    done = run("--parts", "memcheck:ragged", "--retries", "1", "--log-dir",
+               str(tmp_path / "logs1"), env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert done.returncode == 1 and _argv(runs, 2) and _argv(runs, 3) is None, done
+
+
+def test_a_resumed_run_with_no_test_left_passes(tmp_path, fake_machine):
+    """The tool died after pytest's end (every test finished): the resumed run deselects them
+    all, and pytest's "no tests ran" (exit 5) is its pass; the tool's summary comes with it."""
+    ended = (SESSION + f"{FEW_ROWS} PASSED [ 50%]\n{VMAP} PASSED [100%]\n\n"
+             "============================== 2 passed in 9.00s ==============================\n")
+    runs = _canned_runs(tmp_path / "runs", (ended, "segv"),
+                        (SESSION.replace("27 deselected / 43", "29 deselected / 0")
+                         + "============================ 29 deselected in 0.50s ==="
+                           "==========================\n", 5))
+    done = run("--parts", "memcheck:ragged", "--log-dir", str(tmp_path),
+               env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert done.returncode == 0, done
+    assert _deselected(_argv(runs, 2)) == [FEW_ROWS, VMAP]
+    line = _summary(tmp_path)["memcheck:ragged"]
+    assert re.search(r"  rc=0; run 1 died: rc=139 after \d+s, errors=0 summaries=0 by_kernel=-; "
+                     r"run 2 resumed: 2 finished tests deselected; run 2 had no test left "
+                     r"\(pytest's rc=5\); errors=0 summaries=1 by_kernel=-; last run: 29 "
+                     r"deselected in 0.50s; all runs: 2 passed$", line), line
+
+
+def test_ragged_cases_runs_whole_again(tmp_path, fake_machine):
+    """ragged-cases is one script, not pytest: a crash runs it again whole."""
+    runs = _canned_runs(tmp_path / "runs", (f"{FEW_ROWS} PASSED\ncase 3 ", "segv"))
+    done = run("--parts", "memcheck:ragged-cases", "--log-dir", str(tmp_path),
+               env=dict(fake_machine, FAKE_RUNS=str(runs)), timeout=300)
+    assert _argv(runs, 2) == _argv(runs, 1), done
+    line = _summary(tmp_path)["memcheck:ragged-cases"]
+    assert "run 1 died: rc=139" in line and "resumed" not in line, line
 
 
 # ----------------------------------------------------------------- the CPU suite's shards
@@ -601,3 +769,102 @@ def test_sanitizer_log_names_the_test_a_log_ends_in():
     assert "crashed_in=tests/test_store.py:123:" in sanitizer_log.line(both)
     assert "unfinished" not in sanitizer_log.line(both)
     assert sanitizer_log.unfinished_test("") is None and sanitizer_log.unfinished_test(LOG) is None
+
+
+# A pytest -v log of a sanitized run that died in a test: ids with parameters, every outcome
+# word, a report written while a test ran (after its name, on its line), the log cut in a test.
+RESUME_LOG = ("### memcheck:ragged (budget 540s) 10:00:00\n========= COMPUTE-SANITIZER\n"
+              + SESSION
+              + f"{RAGGED}test_gpu_kernel_matches_jnp_path[s21-d128-HND-swz-bs16-r4-bfloat16] "
+                "PASSED [  2%]\n"
+              + f"{RAGGED}test_gpu_kernel_matches_float64[0] FAILED [  4%]\n"
+              + f"{RAGGED}test_gpu_one_token_per_sequence_matches_the_decode_kernel[64] SKIPPED "
+                "(the decode kernel's layout) [  6%]\n"
+              + f"{VMAP} PASSED [  9%]\n"
+              + f"{WIDE} XFAIL (occupancy) [ 11%]\n"
+              + f"{RAGGED}test_gpu_few_row_kernel_every_row_count[128-HND-16-1] " + INVALID_READ
+              + "PASSED [ 13%]\n"
+              + f"{FEW_ROWS} ")
+RESUME_FINISHED = [
+    f"{RAGGED}test_gpu_kernel_matches_jnp_path[s21-d128-HND-swz-bs16-r4-bfloat16]",
+    f"{RAGGED}test_gpu_one_token_per_sequence_matches_the_decode_kernel[64]",
+    VMAP, WIDE, f"{RAGGED}test_gpu_few_row_kernel_every_row_count[128-HND-16-1]"]
+
+
+def test_sanitizer_log_finished_tests():
+    """The tests a crashed run finished (gpu_checks.sh deselects them in the next run): PASSED,
+    SKIPPED and XFAIL ones, whatever the sanitizer wrote between a test's name and its outcome;
+    not the FAILED one, nor the one the log stops in."""
+    assert sanitizer_log.finished_tests(RESUME_LOG) == RESUME_FINISHED
+    found = sanitizer_log.outcomes(RESUME_LOG)
+    assert found[f"{RAGGED}test_gpu_kernel_matches_float64[0]"] == "FAILED"
+    assert FEW_ROWS not in found and len(found) == 6, found
+    assert sanitizer_log.tally([RESUME_LOG]) == "1 failed, 3 passed, 1 skipped, 1 xfailed"
+    # The report after the test's name counts (by_kernel; errors too, the log having no summary).
+    assert sanitizer_log.line(RESUME_LOG) == (
+        f"errors=1 summaries=0 by_kernel=RaggedKernel:1 unfinished={FEW_ROWS}")
+    # pytest's closing sections name tests again (the failures', the warnings summary's, the
+    # short summary's "FAILED ID"): they are not tests that ran.
+    warned = RAGGED + "test_gpu_max_q_len_on_the_ragged_kernel"
+    ended = (RESUME_LOG + "PASSED [ 16%]\n\n" + "=" * 20 + " FAILURES " + "=" * 20 + "\n"
+             + "_" * 10 + " test_gpu_kernel_matches_float64[0] " + "_" * 10 + "\n"
+             "E       assert False\n"
+             + "=" * 20 + " warnings summary " + "=" * 20 + f"\n{warned}\n"
+             "  /src/repo/jax_nvfp4/ragged.py:12: UserWarning: PASSED along\n\n"
+             + "=" * 20 + " short test summary info " + "=" * 20 + "\n"
+             f"FAILED {RAGGED}test_gpu_kernel_matches_float64[0] - assert False\n"
+             "====== 1 failed, 4 passed, 1 skipped, 1 xfailed, 1 warning in 30.00s ======\n")
+    assert sanitizer_log.finished_tests(ended) == RESUME_FINISHED + [FEW_ROWS]
+    assert warned not in sanitizer_log.outcomes(ended)
+    # Only the result line (-q's closing) ends the session too.
+    assert sanitizer_log.finished_tests(
+        RESUME_LOG + "PASSED\n3 passed in 1.00s\n" + f"{warned} PASSED\n")[-1] == FEW_ROWS
+    # A teardown's error after PASSED (pytest writes the test twice): not finished; XPASS is.
+    # An id with a space is not read (a part of it would deselect every test it is the start
+    # of). Nothing in an empty log or one with no test.
+    torn = SESSION + f"{VMAP} PASSED [ 50%]\n{VMAP} ERROR [ 50%]\n{WIDE} XPASS [100%]\n"
+    assert sanitizer_log.outcomes(torn) == {VMAP: "ERROR", WIDE: "XPASS"}
+    assert sanitizer_log.finished_tests(torn) == [WIDE]
+    assert sanitizer_log.tally([torn]) == "1 xpassed, 1 error"
+    spaced = SESSION + "tests/test_x.py::test_y[a b] PASSED [ 50%]\n"
+    assert sanitizer_log.finished_tests(spaced) == []
+    assert sanitizer_log.finished_tests("") == [] == sanitizer_log.finished_tests(LOG)
+    assert sanitizer_log.tally([""]) == ""
+
+
+def test_sanitizer_log_resumes_over_several_runs(tmp_path):
+    """Over a part's runs, first to last: a test's last outcome counts (FAILED in the first,
+    PASSED in the second: finished); only ids --deselect names alone are given (pytest deselects
+    every id that starts with the option's value); the counts line sums the runs' counts."""
+    second = (SESSION + f"{RAGGED}test_gpu_kernel_matches_float64[0] PASSED [  4%]\n"
+              + f"{FEW_ROWS} PASSED [ 50%]\n\n=== 2 passed, 6 deselected in 3.00s ===\n"
+              "========= ERROR SUMMARY: 0 errors\n")
+    both = sanitizer_log.resumable([RESUME_LOG, second], root=str(ROOT))
+    assert both == [RESUME_FINISHED[0], f"{RAGGED}test_gpu_kernel_matches_float64[0]",
+                    *RESUME_FINISHED[1:], FEW_ROWS], both
+    assert sanitizer_log.tally([RESUME_LOG, second]) == "5 passed, 1 skipped, 1 xfailed"
+    assert sanitizer_log.line(RESUME_LOG, second) == (
+        "errors=1 summaries=1 by_kernel=RaggedKernel:1")
+    assert sanitizer_log.line(second, second) == "errors=0 summaries=2 by_kernel=-"
+    # test_store.py's test_reference_under_jit is the start of another test's id; a parametrized
+    # id (it ends in "]") and a plain one no other starts with are exact; an unreadable file not.
+    assert not sanitizer_log.exact("tests/test_store.py::test_reference_under_jit", str(ROOT))
+    assert sanitizer_log.exact(VMAP, str(ROOT)) and sanitizer_log.exact(FEW_ROWS, "/nowhere")
+    assert not sanitizer_log.exact("tests/no_such_file.py::test_a", str(ROOT))
+    held = SESSION + "tests/test_store.py::test_reference_under_jit PASSED [ 50%]\n"
+    assert sanitizer_log.finished_tests(held) == ["tests/test_store.py::test_reference_under_jit"]
+    assert sanitizer_log.resumable([held], root=str(ROOT)) == []
+    # The command line gpu_checks.sh uses, from the repository root.
+    logs = []
+    for n, text in enumerate((RESUME_LOG, second, held)):
+        logs.append(tmp_path / f"{n}.log")
+        logs[-1].write_text(text)
+    def cli(*args):
+        return subprocess.run([sys.executable, "-P", str(ROOT / "tests" / "sanitizer_log.py"),
+                               *map(str, args)], capture_output=True, text=True, cwd=ROOT)
+    assert cli("--finished", *logs).stdout.splitlines() == both
+    assert cli("--tally", *logs).stdout == "6 passed, 1 skipped, 1 xfailed\n"
+    assert cli(*logs[:2]).stdout == "errors=1 summaries=1 by_kernel=RaggedKernel:1\n"
+    assert cli(logs[0]).stdout == (
+        f"errors=1 summaries=0 by_kernel=RaggedKernel:1 unfinished={FEW_ROWS}\n")
+    assert cli("--finished").returncode == 2 and cli("--frob", logs[0]).returncode == 2
