@@ -840,16 +840,18 @@ _SPLIT_LENS = _split_lens()
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits,cluster_merge", [(2, True), (3, True), (6, True), (8, True),
                                                   (12, True), (16, True), (2, False),
-                                                  (8, False), (16, False)])
+                                                  (8, False), (16, False), (72, False)])
 def test_gpu_split_merges(gpu, splits, cluster_merge):
     """Split counts the plan may give, merged inside a cluster (up to the GPU's largest
-    cluster: 16 on an H200; 12 a non-portable size) and by the merge kernel: the same results
-    as the jnp path and the float64 reference, zeros and lse -inf for empty sequences, and the
-    two merges bit for bit the same (the same sums in the same order)."""
+    cluster: 16 on an H200; 12 a non-portable size) and without one (72: a long sequence's
+    plan, more splits than a cluster or a CTA merges): the same results as the jnp path and the
+    float64 reference, zeros and lse -inf for empty sequences, and the merges bit for bit the
+    same (the same sums in the same order)."""
     limit = ap._cluster_merge_splits(128)
     if cluster_merge and splits > limit:
         pytest.skip(f"this GPU merges at most {limit} splits in a cluster")
-    lens = _split_lens(3072 if splits == 12 else 2048)   # 12 splits of 256
+    # (12 splits of 256; 72 of 128)
+    lens = _split_lens({12: 3072, 72: 72 * 128}.get(splits, 2048))
     case = Case(seed=1250 + splits, lens=lens, num_kv_heads=2, pad_columns=0)
     q = case.query(8, jnp.bfloat16)
     got = _forced_plan(case, q, gpu, splits, cluster_merge)
