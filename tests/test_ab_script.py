@@ -93,15 +93,30 @@ exec {python} "$@"
 """
 
 
-def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
+#: A run's command for the pip stand-in's loop: which PYTHONPATH it had, where jax_nvfp4 came from.
+PROBE = ("import os, jax_nvfp4; print('path=' + (os.environ.get('PYTHONPATH') or '-') "
+         "+ ' from=' + os.path.dirname(os.path.dirname(jax_nvfp4.__file__)))")
+
+
+def fake_python(tmp_path):
+    """The pip stand-in (FAKE_PYTHON) as an executable in tmp_path."""
     fake = tmp_path / "python"
     fake.write_text(FAKE_PYTHON.format(python=sys.executable))
     fake.chmod(0o755)
-    ab = tmp_path / "ab"
-    probe = ("import os, jax_nvfp4; print('path=' + (os.environ.get('PYTHONPATH') or '-') "
-             "+ ' from=' + os.path.dirname(os.path.dirname(jax_nvfp4.__file__)))")
-    done = run("--patch", VARIANTS[0], "--", sys.executable, "-P", "-c", probe,
+    return fake
+
+
+def run_with_fake_pip(tmp_path, *arm_args):
+    """ab.sh with the pip stand-in over `arm_args`, each run printing PROBE's line, the caller's
+    PYTHONPATH /no/such/extra: (the run, AB_DIR, the stand-in)."""
+    fake, ab = fake_python(tmp_path), tmp_path / "ab"
+    done = run(*arm_args, "--", sys.executable, "-P", "-c", PROBE,
                env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": "/no/such/extra"})
+    return done, ab, fake
+
+
+def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
+    done, ab, fake = run_with_fake_pip(tmp_path, "--patch", VARIANTS[0])
     assert done.returncode == 0, done.stdout + done.stderr
     runs = [line for line in done.stdout.splitlines() if line.startswith(("== ", "path="))]
     assert runs[::3] == ["== A, round 1", "== B, round 1", "== A, round 2", "== B, round 2"]
@@ -123,9 +138,7 @@ def test_run_loop_alternates_and_b_imports_from_its_folder(tmp_path):
 def test_a_installed_or_none_builds_no_a(tmp_path):
     """--a installed: A's runs use the package installed here, nothing built for it (a build
     would fail: FAKE_A_FAILS); --a none: B's runs alone."""
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path)
     env = {"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"}
     done = run("--patch", VARIANTS[0], "--a", "installed", "--rounds", "1", "--", "true", env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -144,9 +157,7 @@ def test_a_installed_or_none_builds_no_a(tmp_path):
 
 
 def test_a_failed_build_stops_before_any_run(tmp_path):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path)
     done = run("--patch", VARIANTS[0], "--", "true",
                env={"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"})
     assert done.returncode == 1 and "ab: build A failed" in done.stdout, done
@@ -266,9 +277,7 @@ def test_check_applies_every_arm_to_its_own_tree(tmp_path, patches):
 
 
 def test_an_arm_whose_patch_does_not_apply_exits_2_naming_it(tmp_path, patches):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(0o755)
+    fake = fake_python(tmp_path)
     bad = line_patch(tmp_path / "bad.patch", "ffi/decode_cuda.cu", "// bad",
                      old="no_such_line_here")
     env = {"AB_DIR": str(tmp_path / "ab"), "PYTHON": str(fake), "FAKE_A_FAILS": "1"}
@@ -284,14 +293,7 @@ def test_an_arm_whose_patch_does_not_apply_exits_2_naming_it(tmp_path, patches):
 
 
 def test_run_loop_alternates_every_arm_each_importing_from_its_folder(tmp_path, patches):
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_PYTHON.format(python=sys.executable))
-    fake.chmod(0o755)
-    ab = tmp_path / "ab"
-    probe = ("import os, jax_nvfp4; print('path=' + (os.environ.get('PYTHONPATH') or '-') "
-             "+ ' from=' + os.path.dirname(os.path.dirname(jax_nvfp4.__file__)))")
-    done = run("--arm", patches[0], "--arm", patches[1], "--", sys.executable, "-P", "-c", probe,
-               env={"AB_DIR": str(ab), "PYTHON": str(fake), "PYTHONPATH": "/no/such/extra"})
+    done, ab, fake = run_with_fake_pip(tmp_path, "--arm", patches[0], "--arm", patches[1])
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     # Both arms built before any run, each into its own folder with its own log.
