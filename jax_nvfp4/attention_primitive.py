@@ -361,7 +361,7 @@ def split_kv_results(q, splits, cluster_merge=False):
 def decode_results(q, splits, cluster_merge, num_kv_heads):
     """The results of the decode reader's FFI call for q ``[L, B, Hq, D]`` over a cache of
     ``num_kv_heads`` kv heads: :func:`split_kv_results` (out and lse first)."""
-    del num_kv_heads  # (the decode kernel's CTAs per split: the merge's needs, when it has some)
+    del num_kv_heads  # (what an in-kernel merge sizes its counters by: variants/tail_merge.patch)
     return split_kv_results(q, splits, cluster_merge)
 
 
@@ -377,10 +377,10 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
                             decode_results(q, splits, cluster_merge, geo.num_kv_heads))
     # The kernel applies the readers' invalid-scale rule itself (checks.nan_if_invalid).
     out, lse, *_ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
-                          layout=np.int32(_layout.LAYOUTS.index(layout)),
-                          v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
-                          tokens_per_split=np.int32(tokens_per_split),
-                          cluster_merge=cluster_merge)
+                        layout=np.int32(_layout.LAYOUTS.index(layout)),
+                        v_scale_swizzle=bool(v_scale_swizzle), num_splits=np.int32(splits),
+                        tokens_per_split=np.int32(tokens_per_split),
+                        cluster_merge=cluster_merge)
     return out, lse
 
 
@@ -592,7 +592,7 @@ def partitioned(body):
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
            "bind_members_stacked", "empty_batch", "lowerings", "members_first", "num_stacked",
-           "decode_plan", "decode_results", "decode_units", "merges_in_cluster", "on_one_stacked_axis",
-           "plan_splits", "plan_splits_for_units", "resident_ctas",
+           "decode_plan", "decode_results", "decode_units", "merges_in_cluster",
+           "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "resident_ctas",
            "rule_text", "split_kv_results", "stacked_factors", "stacked_jnp",
            "stacked_shardings"]
