@@ -194,11 +194,19 @@ def outcomes(text: str) -> dict:
     return found
 
 
-def finished_tests(text: str) -> list:
-    """The tests of a pytest -v log that finished (PASSED, SKIPPED, XFAIL, XPASS), in the order
-    they started: not the ones that FAILED or ended in ERROR, nor the one running when the log
-    stopped."""
-    return [test for test, word in outcomes(text).items() if word in FINISHED]
+def merged_outcomes(texts) -> dict:
+    """outcomes() over several logs, first to last: a test's last outcome in any of them."""
+    found = {}
+    for text in texts:
+        found.update(outcomes(text))
+    return found
+
+
+def finished_tests(*texts: str) -> list:
+    """The tests of pytest -v logs (one run's, or a part's runs first to last) whose last
+    outcome finished them (PASSED, SKIPPED, XFAIL, XPASS), in the order they started: not the
+    ones that FAILED or ended in ERROR, nor the one running when a log stopped."""
+    return [test for test, word in merged_outcomes(texts).items() if word in FINISHED]
 
 
 def exact(test_id: str, root: str = ".") -> bool:
@@ -220,19 +228,10 @@ def exact(test_id: str, root: str = ".") -> bool:
     return not any(other != name and other.startswith(name) for other in names)
 
 
-def merged_outcomes(texts) -> dict:
-    """outcomes() over several logs, first to last: a test's last outcome in any of them."""
-    found = {}
-    for text in texts:
-        found.update(outcomes(text))
-    return found
-
-
 def resumable(texts, root: str = ".") -> list:
     """The tests a run after these logs' runs can leave out (--deselect): those whose last
     outcome finished them and that exact() says --deselect names alone."""
-    return [test for test, word in merged_outcomes(texts).items()
-            if word in FINISHED and exact(test, root)]
+    return [test for test in finished_tests(*texts) if exact(test, root)]
 
 
 def tally(texts) -> str:
