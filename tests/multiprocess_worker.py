@@ -1,10 +1,12 @@
-"""One process of tests/test_multiprocess.py: ``jax.distributed`` over local CPU processes,
-the tensor-parallel decode step of stacked layers on the global mesh, every addressable shard
+"""One process of tests/test_multiprocess.py: ``jax.distributed`` over local processes, the
+tensor-parallel decode step of stacked layers on the global mesh, every addressable shard
 compared with the bytes of the same step run in a single process.
 
-Run as ``python multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID EXPECTED.npz``
-with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (N CPU devices per process).
-Prints one ``OK`` line and exits 0 when every shard matches; raises otherwise.
+Run as ``python multiprocess_worker.py COORDINATOR NUM_PROCESSES PROCESS_ID EXPECTED.npz
+[PLATFORM]``: PLATFORM ``cpu`` (the default) with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (N CPU devices per process), or ``cuda``
+with the process's GPUs in ``CUDA_VISIBLE_DEVICES`` (one per process in the test). Prints one
+``OK`` line and exits 0 when every shard matches; raises otherwise.
 
 The cases (also what the single-process side runs, :func:`cases`): a mesh ``("tp",)`` over
 every device of every process, G = the number of devices head groups, 2 layers;
@@ -55,10 +57,10 @@ def cases(mesh):
     }
 
 
-def main(coordinator, num_processes, process_id, expected_path):
+def main(coordinator, num_processes, process_id, expected_path, platform="cpu"):
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_platforms", platform)
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
                                initialization_timeout=120)
     try:
@@ -109,4 +111,4 @@ def run(expected_path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *sys.argv[5:6])

@@ -1,10 +1,12 @@
 """The tensor-parallel decode step of stacked layers across processes: two local processes
-(``jax.distributed.initialize`` on 127.0.0.1, 4 CPU devices each) run it on the global mesh of
-8 devices, and every addressable shard of every output (attention and cache) must hold the
-bytes of the same step in this single process on its 8 CPU devices (tests/conftest.py), which
-in turn equal a single-device run (tests/test_stacked_layers_tp.py). The worker is
-tests/multiprocess_worker.py; it also checks the compiled HLO (no collective, no cache copy,
-the cache aliased).
+(``jax.distributed.initialize`` on 127.0.0.1) run it on the global mesh of their devices, and
+every addressable shard of every output (attention and cache) must hold the bytes of the same
+step in this single process on as many devices. On the CPU each process has 4 devices (8 in
+all; this process's 8 CPU devices, tests/conftest.py, which in turn equal a single-device run,
+tests/test_stacked_layers_tp.py); where two GPUs are visible, a second test gives each process
+one GPU (``CUDA_VISIBLE_DEVICES``) and compares with this process's first two GPUs (issue 24).
+The worker is tests/multiprocess_worker.py; it also checks the compiled HLO (no collective, no
+cache copy, the cache aliased).
 
 Bounded in time (``TIMEOUT_S`` for both processes together); the processes are killed, and
 waited for, whatever happens.
@@ -38,13 +40,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _single_process_outputs(path):
-    """Runs the cases on this process's first 8 CPU devices; saves every output."""
-    devices = jax.devices("cpu")
-    count = NUM_PROCESSES * DEVICES_PER_PROCESS
-    if len(devices) < count:
-        pytest.skip(f"needs {count} CPU devices in this process, {len(devices)} available")
-    mesh = Mesh(np.array(devices[:count]), ("tp",))
+def _single_process_outputs(path, devices):
+    """Runs the cases on ``devices`` (one mesh over all of them); saves every output."""
+    mesh = Mesh(np.array(devices), ("tp",))
     saved = {}
     for name, (fn, args, specs, donate) in worker.cases(mesh).items():
         placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
@@ -54,22 +52,18 @@ def _single_process_outputs(path):
     return saved
 
 
-def test_two_processes_match_one(tmp_path):
-    expected = tmp_path / "expected.npz"
-    _single_process_outputs(expected)
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("JAX_NUM_PROCESSES", None)
+def _run_workers(tmp_path, expected, envs, platform):
+    """Starts one worker per environment in ``envs`` (process i gets envs[i]) on ``platform``
+    and asserts that every one exits 0 having found its shards equal to ``expected``."""
     coordinator = f"127.0.0.1:{_free_port()}"
-    logs = [tmp_path / f"process{i}.log" for i in range(NUM_PROCESSES)]
+    logs = [tmp_path / f"process{i}.log" for i in range(len(envs))]
     processes = []
     try:
-        for i, log in enumerate(logs):
+        for i, (log, env) in enumerate(zip(logs, envs)):
             with open(log, "w") as out:
                 processes.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), coordinator, str(NUM_PROCESSES), str(i),
-                     str(expected)], stdout=out, stderr=subprocess.STDOUT, env=env,
+                    [sys.executable, str(WORKER), coordinator, str(len(envs)), str(i),
+                     str(expected), platform], stdout=out, stderr=subprocess.STDOUT, env=env,
                     cwd=str(WORKER.parent)))
         deadline = time.monotonic() + TIMEOUT_S
         codes = []
@@ -84,6 +78,50 @@ def test_two_processes_match_one(tmp_path):
             p.wait()
     text = "\n".join(f"--- process {i}:\n{log.read_text()[-4000:]}" for i, log in enumerate(logs))
     assert codes is not None, f"timed out after {TIMEOUT_S} s\n{text}"
-    assert codes == [0] * NUM_PROCESSES, f"exit codes {codes}\n{text}"
+    assert codes == [0] * len(envs), f"exit codes {codes}\n{text}"
     for i, log in enumerate(logs):
         assert f"OK process {i}:" in log.read_text(), text
+
+
+def _worker_env():
+    env = dict(os.environ)
+    env.pop("JAX_NUM_PROCESSES", None)
+    return env
+
+
+def test_two_processes_match_one(tmp_path):
+    devices = jax.devices("cpu")
+    count = NUM_PROCESSES * DEVICES_PER_PROCESS
+    if len(devices) < count:
+        pytest.skip(f"needs {count} CPU devices in this process, {len(devices)} available")
+    expected = tmp_path / "expected.npz"
+    _single_process_outputs(expected, devices[:count])
+    env = _worker_env()
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+    env["JAX_PLATFORMS"] = "cpu"
+    _run_workers(tmp_path, expected, [env] * NUM_PROCESSES, "cpu")
+
+
+@pytest.mark.gpu
+def test_two_gpu_processes_match_one(tmp_path):
+    """Issue 24: one process per GPU, each seeing only its own (``CUDA_VISIBLE_DEVICES``, the
+    i-th of this process's visible GPUs), their shards against this process's first two GPUs:
+    the same kernels on the same shapes, so the same bytes."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if len(gpus) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} GPUs, {len(gpus)} visible")
+    expected = tmp_path / "expected.npz"
+    _single_process_outputs(expected, gpus[:NUM_PROCESSES])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(NUM_PROCESSES)]
+    envs = []
+    for i in range(NUM_PROCESSES):
+        env = _worker_env()
+        env["JAX_PLATFORMS"] = "cuda"
+        env["CUDA_VISIBLE_DEVICES"] = ids[i].strip()
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process holds the GPUs' memory too
+        envs.append(env)
+    _run_workers(tmp_path, expected, envs, "cuda")
