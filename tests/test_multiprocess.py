@@ -31,6 +31,9 @@ import multiprocess_worker as worker
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 #: Both processes start JAX, compile two steps and run them: ~20 s on 2 cores, measured.
 TIMEOUT_S = 300
+#: The GPU form's (CUDA's start in each process, then the same): short enough that a hang is
+#: reported before the runbook's own limit (TESTING.md, "On two GPUs").
+GPU_TIMEOUT_S = 180
 WORKER = pathlib.Path(worker.__file__)
 
 
@@ -52,9 +55,10 @@ def _single_process_outputs(path, devices):
     return saved
 
 
-def _run_workers(tmp_path, expected, envs, platform):
+def _run_workers(tmp_path, expected, envs, platform, timeout_s=TIMEOUT_S):
     """Starts one worker per environment in ``envs`` (process i gets envs[i]) on ``platform``
-    and asserts that every one exits 0 having found its shards equal to ``expected``."""
+    and asserts that every one exits 0 having found its shards equal to ``expected``, within
+    ``timeout_s`` for all of them."""
     coordinator = f"127.0.0.1:{_free_port()}"
     logs = [tmp_path / f"process{i}.log" for i in range(len(envs))]
     processes = []
@@ -65,7 +69,7 @@ def _run_workers(tmp_path, expected, envs, platform):
                     [sys.executable, str(WORKER), coordinator, str(len(envs)), str(i),
                      str(expected), platform], stdout=out, stderr=subprocess.STDOUT, env=env,
                     cwd=str(WORKER.parent)))
-        deadline = time.monotonic() + TIMEOUT_S
+        deadline = time.monotonic() + timeout_s
         codes = []
         for p in processes:
             codes.append(p.wait(timeout=max(deadline - time.monotonic(), 1)))
@@ -77,7 +81,7 @@ def _run_workers(tmp_path, expected, envs, platform):
                 p.kill()
             p.wait()
     text = "\n".join(f"--- process {i}:\n{log.read_text()[-4000:]}" for i, log in enumerate(logs))
-    assert codes is not None, f"timed out after {TIMEOUT_S} s\n{text}"
+    assert codes is not None, f"timed out after {timeout_s} s\n{text}"
     assert codes == [0] * len(envs), f"exit codes {codes}\n{text}"
     for i, log in enumerate(logs):
         assert f"OK process {i}:" in log.read_text(), text
@@ -98,6 +102,20 @@ def test_two_processes_match_one(tmp_path):
     _single_process_outputs(expected, devices[:count])
     env = _worker_env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+    env["JAX_PLATFORMS"] = "cpu"
+    _run_workers(tmp_path, expected, [env] * NUM_PROCESSES, "cpu")
+
+
+def test_one_device_a_process_on_the_cpu(tmp_path):
+    """The GPU form's layout on CPU devices: one device a process, two processes, against
+    this process's first two devices."""
+    devices = jax.devices("cpu")
+    if len(devices) < NUM_PROCESSES:
+        pytest.skip(f"needs {NUM_PROCESSES} CPU devices in this process, {len(devices)} available")
+    expected = tmp_path / "expected.npz"
+    _single_process_outputs(expected, devices[:NUM_PROCESSES])
+    env = _worker_env()
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
     env["JAX_PLATFORMS"] = "cpu"
     _run_workers(tmp_path, expected, [env] * NUM_PROCESSES, "cpu")
 
@@ -124,4 +142,4 @@ def test_two_gpu_processes_match_one(tmp_path):
         env["CUDA_VISIBLE_DEVICES"] = ids[i].strip()
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this process holds the GPUs' memory too
         envs.append(env)
-    _run_workers(tmp_path, expected, envs, "cuda")
+    _run_workers(tmp_path, expected, envs, "cuda", GPU_TIMEOUT_S)
