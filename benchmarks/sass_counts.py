@@ -1,0 +1,208 @@
+"""Static SASS counts of the CUDA kernels, as benchmarks/NOTES.md counts them before a GPU run.
+
+    python benchmarks/sass_counts.py ffi/decode_cuda.cu
+    python benchmarks/sass_counts.py ffi/decode_cuda.cu --loop DecodeKernelILi128ELb1ELNS_6LayoutE0
+    python benchmarks/sass_counts.py ffi/decode_cuda.cu --patch benchmarks/variants/X.patch --loop ...
+    python benchmarks/sass_counts.py ffi/store_cuda.cu -D NVFP4_STORE_4OVER6_MIN_CTAS=2
+
+Compiles one file of ``ffi/`` for sm_90a with the build's flags (CMakeLists.txt: ``--fmad=false
+--ftz=true``, C++17, ``-O3``; nvcc from PATH, the XLA FFI headers from jaxlib) into a cubin,
+disassembles it (``cuobjdump -sass``: the CUDA toolkit's, or pip's ``nvidia-cuda-cuobjdump``),
+and prints every kernel's registers, spill bytes (ptxas ``-v``) and static instructions. With
+``--patch`` it compiles a copy of the tree with the patch applied (a variant of
+``benchmarks/variants/``); ``--sass FILE`` reads a saved disassembly instead of compiling.
+
+``--loop SUBSTRING``: for the first kernel whose mangled name contains it, the largest loop (a
+backward branch) that holds tensor-core instructions (HMMA or HGMMA): its static instructions,
+and the **common path** of the decode and few-row kernels' chunk loop: the loop less the
+alternatives a chunk of full tiles does not take. Those are the blocks that a two-predicate
+branch ``@P BRA Q, target`` jumps over (the checked fetch of a chunk that reaches a sequence's
+end, or whose tiles cross pages) and a forward-branched block of 16 or more FMUL and no tensor or
+copy instruction (the O rescale, taken only while a running max moves). The path is printed by
+opcode. It is the count behind "The decode loop's common path by count" in benchmarks/NOTES.md;
+a static count, not ncu's executed instructions (which a GPU run gives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The build's device flags (CMakeLists.txt), for the one architecture counted.
+NVCC_FLAGS = ("-gencode=arch=compute_90a,code=sm_90a", "-cubin", "--fmad=false", "--ftz=true",
+              "-std=c++17", "-O3", "-DJAX_NVFP4_WITH_CUDA", "--diag-suppress=940,2473",
+              "-Xptxas", "-v")
+TENSOR_OPCODES = ("HMMA", "HGMMA")
+
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+_BRANCH = re.compile(r"\bBRA\b(?:\s+!?U?P\w+,)?\s+(0x[0-9a-f]+)")
+_TWO_PREDICATE_BRANCH = re.compile(r"^@!?P\w+\s+BRA\s+!?P\w+,\s+(0x[0-9a-f]+)")
+_FORWARD_BRANCH = re.compile(r"^@!?P\w+\s+BRA\s+(0x[0-9a-f]+)")
+
+
+def functions(sass):
+    """``{mangled name: [(address, instruction text)]}`` of a ``cuobjdump -sass`` listing."""
+    out = {}
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        out[name] = [(int(a, 16), t.strip()) for a, t in _INSTRUCTION.findall(part)]
+    return out
+
+
+def resources(ptxas_log):
+    """``{mangled name: (registers, spill store bytes, spill load bytes)}`` from ``ptxas -v``."""
+    out = {}
+    pattern = re.compile(r"Compiling entry function '(\S+)'.*?\n(.*?)"
+                         r"ptxas info\s*: Used (\d+) registers", re.S)
+    for m in pattern.finditer(ptxas_log):
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", m.group(2))
+        stores, loads = (int(x) for x in spills.groups()) if spills else (0, 0)
+        out[m.group(1)] = (int(m.group(3)), stores, loads)
+    return out
+
+
+def opcode(text):
+    """The instruction's opcode without predicate and modifiers: ``@!P0 IMAD.WIDE.U32 ..`` ->
+    ``IMAD``."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def largest_loop(instructions, markers=TENSOR_OPCODES):
+    """The instructions from a backward branch's target to the branch, the largest such span
+    that holds an instruction of ``markers``; None where there is none."""
+    best = None
+    for address, text in instructions:
+        m = _BRANCH.search(text)
+        if not m or int(m.group(1), 16) >= address:
+            continue
+        target = int(m.group(1), 16)
+        body = [x for x in instructions if target <= x[0] <= address]
+        if any(opcode(t) in markers for _, t in body) and (best is None or len(body) > len(best)):
+            best = body
+    return best
+
+
+def common_path(loop):
+    """The loop's instructions less the checked alternatives and the O rescale (module
+    docstring)."""
+    skipped = set()
+    for address, text in loop:
+        m = _TWO_PREDICATE_BRANCH.search(text)
+        if m:
+            skipped.update(a for a, _ in loop if address < a < int(m.group(1), 16))
+    for address, text in loop:
+        m = _FORWARD_BRANCH.search(text)
+        if not m or int(m.group(1), 16) <= address:
+            continue
+        block = [(a, t) for a, t in loop if address < a < int(m.group(1), 16)]
+        ops = [opcode(t) for _, t in block]
+        if ops.count("FMUL") >= 16 and not any(o in TENSOR_OPCODES or o == "LDGSTS"
+                                               for o in ops):
+            skipped.update(a for a, _ in block)
+    return [(a, t) for a, t in loop if a not in skipped]
+
+
+def histogram(instructions, most=30):
+    counts = collections.Counter(opcode(t) for _, t in instructions)
+    return " ".join(f"{k}:{v}" for k, v in counts.most_common(most))
+
+
+def _tool(name):
+    """A CUDA tool from PATH, else from pip's nvidia-* packages."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for path in sys.path:
+        hits = glob.glob(os.path.join(path, "nvidia", "*", "bin", name))
+        if hits:
+            return hits[0]
+    raise SystemExit(f"{name} not found: put the CUDA toolkit on PATH (cuobjdump also comes "
+                     f"with `pip install nvidia-cuda-cuobjdump`)")
+
+
+def ffi_include():
+    """The XLA FFI headers' folder (the build's ffi/find_xla_ffi_include.py)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, "ffi", "find_xla_ffi_include.py")],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def compile_sass(tree, source, defines=()):
+    """(disassembly, ptxas log) of ``tree/source`` compiled with NVCC_FLAGS."""
+    with tempfile.TemporaryDirectory() as work:
+        cubin = os.path.join(work, "out.cubin")
+        cmd = [_tool("nvcc"), *NVCC_FLAGS, f"-I{ffi_include()}", f"-I{os.path.join(tree, 'ffi')}",
+               *(f"-D{d}" for d in defines), "-o", cubin, os.path.join(tree, source)]
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+        if done.returncode != 0:
+            raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True,
+                              text=True, check=True).stdout
+        return sass, done.stderr
+
+
+def patched_tree(patch, work):
+    """A copy of the repository's ffi/ with ``patch`` applied, in ``work``."""
+    shutil.copytree(os.path.join(ROOT, "ffi"), os.path.join(work, "ffi"))
+    subprocess.run(["git", "apply", "--include=ffi/*", os.path.abspath(patch)], cwd=work,
+                   check=True)
+    return work
+
+
+def report(sass, ptxas_log, loop=None, out=sys.stdout):
+    """Prints every kernel's resources and size, and ``loop``'s counts; returns the common
+    path's length (None without ``loop``)."""
+    kernels = functions(sass)
+    used = resources(ptxas_log)
+    for name, instructions in kernels.items():
+        regs, stores, loads = used.get(name, (None, None, None))
+        spill = f", spills {stores} / {loads} B" if stores or loads else ""
+        print(f"{len(instructions):6d} instructions, {regs} registers{spill}: {name}", file=out)
+    if not loop:
+        return None
+    matches = [n for n in kernels if loop in n]
+    if not matches:
+        raise SystemExit(f"no kernel's name contains {loop!r}")
+    body = largest_loop(kernels[matches[0]])
+    if body is None:
+        raise SystemExit(f"{matches[0]}: no loop with {' or '.join(TENSOR_OPCODES)}")
+    path = common_path(body)
+    print(f"\n{matches[0]}\n  loop 0x{body[0][0]:x}-0x{body[-1][0]:x}: {len(body)} static, "
+          f"common path {len(path)}\n  {histogram(path)}", file=out)
+    return len(path)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("source", nargs="?", help="a file of ffi/, e.g. ffi/decode_cuda.cu")
+    p.add_argument("--loop", help="count this kernel's chunk loop (a substring of its name)")
+    p.add_argument("--patch", help="compile with this patch applied to a copy of ffi/")
+    p.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
+                   help="a preprocessor definition (a build option)")
+    p.add_argument("--sass", help="a saved cuobjdump -sass listing instead of compiling")
+    p.add_argument("--ptxas", help="with --sass: the ptxas -v log that goes with it")
+    args = p.parse_args(argv)
+    if args.sass:
+        with open(args.sass) as f:
+            sass = f.read()
+        ptxas_log = open(args.ptxas).read() if args.ptxas else ""
+        return report(sass, ptxas_log, args.loop)
+    if not args.source:
+        p.error("a source file (or --sass) is needed")
+    if args.patch:
+        with tempfile.TemporaryDirectory() as work:
+            sass, log = compile_sass(patched_tree(args.patch, work), args.source, args.defines)
+    else:
+        sass, log = compile_sass(ROOT, args.source, args.defines)
+    return report(sass, log, args.loop)
+
+
+if __name__ == "__main__":
+    main()
