@@ -3,8 +3,9 @@
 every addressable shard of every output (attention and cache) must hold the bytes of the same
 step in this single process on as many devices. On the CPU each process has 4 devices (8 in
 all; this process's 8 CPU devices, tests/conftest.py, which in turn equal a single-device run,
-tests/test_stacked_layers_tp.py); where two GPUs are visible, a second test gives each process
-one GPU (``CUDA_VISIBLE_DEVICES``) and compares with this process's first two GPUs (issue 24).
+tests/test_stacked_layers_tp.py), or one device each (the GPU form's layout); where two GPUs
+are visible, a third test gives each process one GPU (``CUDA_VISIBLE_DEVICES``) and compares
+with this process's first two GPUs (issue 24).
 The worker is tests/multiprocess_worker.py; it also checks the compiled HLO (no collective, no
 cache copy, the cache aliased).
 
@@ -93,31 +94,28 @@ def _worker_env():
     return env
 
 
-def test_two_processes_match_one(tmp_path):
+def _match_on_cpu(tmp_path, devices_per_process):
+    """NUM_PROCESSES worker processes of ``devices_per_process`` CPU devices each against this
+    process's first as many CPU devices."""
     devices = jax.devices("cpu")
-    count = NUM_PROCESSES * DEVICES_PER_PROCESS
+    count = NUM_PROCESSES * devices_per_process
     if len(devices) < count:
         pytest.skip(f"needs {count} CPU devices in this process, {len(devices)} available")
     expected = tmp_path / "expected.npz"
     _single_process_outputs(expected, devices[:count])
     env = _worker_env()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
     env["JAX_PLATFORMS"] = "cpu"
     _run_workers(tmp_path, expected, [env] * NUM_PROCESSES, "cpu")
+
+
+def test_two_processes_match_one(tmp_path):
+    _match_on_cpu(tmp_path, DEVICES_PER_PROCESS)
 
 
 def test_one_device_a_process_on_the_cpu(tmp_path):
-    """The GPU form's layout on CPU devices: one device a process, two processes, against
-    this process's first two devices."""
-    devices = jax.devices("cpu")
-    if len(devices) < NUM_PROCESSES:
-        pytest.skip(f"needs {NUM_PROCESSES} CPU devices in this process, {len(devices)} available")
-    expected = tmp_path / "expected.npz"
-    _single_process_outputs(expected, devices[:NUM_PROCESSES])
-    env = _worker_env()
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    _run_workers(tmp_path, expected, [env] * NUM_PROCESSES, "cpu")
+    """The GPU form's layout on CPU devices: one device a process."""
+    _match_on_cpu(tmp_path, 1)
 
 
 @pytest.mark.gpu
