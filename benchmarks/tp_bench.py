@@ -45,15 +45,17 @@ import jax_nvfp4  # noqa: E402
 from jax_nvfp4 import layout as nv_layout  # noqa: E402
 from jax_nvfp4 import sharding as shd  # noqa: E402
 
+import attention_bench as ab  # noqa: E402  (this folder: the pages' scale bytes)
 import store_bench  # noqa: E402  (this folder: the chained timer, the output files)
 
 FULL = dict(layers=4, batch=32, context=8192, num_q_heads=32, num_kv_heads=8, head_size=128)
 QUICK = dict(layers=2, batch=2, context=48, num_q_heads=8, num_kv_heads=4, head_size=64)
 BLOCK_SIZE = 16
-#: Scale bytes of the random pages (attention_bench's range: normal E4M3 values, no NaN).
-SCALE_BYTE_RANGE = (0x30, 0x58)
 K_SCALE = V_SCALE = 3.0 / 448
-COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+#: HLO opcodes that communicate (tests/hlo_checks.py's list, which tests cannot share with a
+#: benchmark: benchmarks do not import tests).
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter",
+               "collective-broadcast", "ragged-all-to-all")
 #: Attention outputs of the two meshes may differ by their split plans' rounding, no more: in
 #: bf16 one flipped last bit is up to 2^-7 of a value, so 2^-7 of the largest output; a wrong
 #: head group or page would differ by the order of the outputs themselves.
@@ -74,16 +76,16 @@ def shapes(args):
 
 
 def make_inputs(s, seed):
-    """Host arrays: the pool (random codes, scale bytes in SCALE_BYTE_RANGE), each layer's
-    block tables (a random permutation of its pages), the new token's slot per sequence (its
-    last position), and q / key / value of every layer."""
+    """Host arrays: the pool (random codes, scale bytes in attention_bench's range), each
+    layer's block tables (a random permutation of its pages), the new token's slot per
+    sequence (its last position), and q / key / value of every layer."""
     rng = np.random.default_rng(seed)
     shape = shd.grouped_kv_cache_shape(s["groups"], s["layers"] * s["num_blocks"], BLOCK_SIZE,
                                        s["num_kv_heads"], s["head_size"])
     geo = nv_layout.CacheGeometry.from_shape(shape[1:], "HND")
     sides = shape[:3]                                   # [G, blocks, 2]
     data = rng.integers(0, 256, sides + (geo.side_data_bytes,), np.uint8)
-    scales = rng.integers(SCALE_BYTE_RANGE[0], SCALE_BYTE_RANGE[1] + 1,
+    scales = rng.integers(ab.SCALE_BYTE_RANGE[0], ab.SCALE_BYTE_RANGE[1] + 1,
                           sides + (geo.side_bytes - geo.side_data_bytes,), np.uint8)
     pool = np.concatenate([data, scales], axis=-1).reshape(shape)
     tables = rng.permutation(s["num_blocks"]).astype(np.int32).reshape(s["batch"], -1)
