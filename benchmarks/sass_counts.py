@@ -2,7 +2,7 @@
 
     python benchmarks/sass_counts.py ffi/decode_cuda.cu
     python benchmarks/sass_counts.py ffi/decode_cuda.cu --loop DecodeKernelILi128ELb1ELNS_6LayoutE0
-    python benchmarks/sass_counts.py ffi/decode_cuda.cu --patch benchmarks/variants/X.patch --loop ...
+    python benchmarks/sass_counts.py ffi/decode_cuda.cu --patch benchmarks/variants/X.patch --loop K
     python benchmarks/sass_counts.py ffi/store_cuda.cu -D NVFP4_STORE_4OVER6_MIN_CTAS=2
 
 Compiles one file of ``ffi/`` for sm_90a with the build's flags (CMakeLists.txt: ``--fmad=false
