@@ -358,13 +358,6 @@ def split_kv_results(q, splits, cluster_merge=False):
             jax.ShapeDtypeStruct(rows + (partial,), jnp.float32))
 
 
-def decode_results(q, splits, cluster_merge, num_kv_heads):
-    """The results of the decode reader's FFI call for q ``[L, B, Hq, D]`` over a cache of
-    ``num_kv_heads`` kv heads: :func:`split_kv_results` (out and lse first)."""
-    del num_kv_heads  # (what an in-kernel merge sizes its counters by: variants/tail_merge.patch)
-    return split_kv_results(q, splits, cluster_merge)
-
-
 def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale, layout,
                  v_scale_swizzle):
     """The FFI call on whatever (per-device) shapes it gets."""
@@ -374,7 +367,7 @@ def _kernel_call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale
     splits, tokens_per_split, cluster_merge = decode_plan(stacked, batch, geo.num_kv_heads,
                                                          num_q_heads, head_size, max_tokens)
     call = jax.ffi.ffi_call(DECODE_TARGET,
-                            decode_results(q, splits, cluster_merge, geo.num_kv_heads))
+                            split_kv_results(q, splits, cluster_merge))
     # The kernel applies the readers' invalid-scale rule itself (checks.nan_if_invalid).
     out, lse, *_ = call(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, sm_scale,
                         layout=np.int32(_layout.LAYOUTS.index(layout)),
@@ -592,7 +585,7 @@ def partitioned(body):
 
 __all__ = ["DECODE_TARGET", "IMPLS", "KERNEL_HEAD_SIZES", "bind", "decode_p", "kernel_supports",
            "bind_members_stacked", "empty_batch", "lowerings", "members_first", "num_stacked",
-           "decode_plan", "decode_results", "decode_units", "merges_in_cluster",
+           "decode_plan", "decode_units", "merges_in_cluster",
            "on_one_stacked_axis", "plan_splits", "plan_splits_for_units", "resident_ctas",
            "rule_text", "split_kv_results", "stacked_factors", "stacked_jnp",
            "stacked_shardings"]

@@ -615,7 +615,7 @@ def test_split_kv_results_without_workspace_for_cluster_merges():
     assert partial.shape == (1, 3, 8, 0, 64) and partial_lse.shape == (1, 3, 8, 0)
     assert ap.split_kv_results(q, 4)[2].shape == (1, 3, 8, 4, 64)
     # The decode reader's call: out and lse first, then whatever workspace its plan needs.
-    out, lse, *_ = ap.decode_results(q, 4, False, 2)
+    out, lse, *_ = ap.split_kv_results(q, 4, False)
     assert (out.shape, out.dtype, lse.shape) == ((1, 3, 8, 64), jnp.bfloat16, (1, 3, 8))
 
 
@@ -817,8 +817,7 @@ def _forced_plan(case, q, gpu, splits, cluster_merge, *, k_scale=None, v_scale=N
     sm_scale = jnp.float32(1.0 / math.sqrt(case.head_size))
     args = [lead(x) for x in (q, cache, tables, lens)] + [
         jnp.reshape(s, (1,)) for s in (ks, vs, sm_scale)]
-    call = jax.ffi.ffi_call(ap.DECODE_TARGET, ap.decode_results(args[0], splits, cluster_merge,
-                                                                case.num_kv_heads))
+    call = jax.ffi.ffi_call(ap.DECODE_TARGET, ap.split_kv_results(args[0], splits, cluster_merge))
     fn = jax.jit(lambda *a: call(
         *a, layout=np.int32(nv_layout.LAYOUTS.index(case.layout)),
         v_scale_swizzle=bool(case.swizzle), num_splits=np.int32(splits),
