@@ -70,8 +70,6 @@ def shapes(args):
     s["groups"] = args.devices
     s["blocks_per_seq"] = -(-s["context"] // BLOCK_SIZE)
     s["num_blocks"] = s["batch"] * s["blocks_per_seq"]  # one layer's pages
-    if s["num_kv_heads"] % s["groups"]:
-        raise SystemExit(f"--devices {s['groups']} must divide num_kv_heads {s['num_kv_heads']}")
     return s
 
 
@@ -193,6 +191,8 @@ def main(argv=None):
     except RuntimeError:
         pass
     s = shapes(args)
+    if s["num_kv_heads"] % s["groups"]:
+        p.error(f"--devices {s['groups']} must divide num_kv_heads {s['num_kv_heads']}")
     gpu = store_bench.on_gpu()
     if not gpu:
         print(store_bench.smoke_run_note(), flush=True)

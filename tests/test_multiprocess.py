@@ -28,6 +28,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 
 import multiprocess_worker as worker
+from conftest import gpu_devices
 
 NUM_PROCESSES, DEVICES_PER_PROCESS = 2, 4
 #: Both processes start JAX, compile two steps and run them: ~20 s on 2 cores, measured.
@@ -123,10 +124,7 @@ def test_two_gpu_processes_match_one(tmp_path):
     """Issue 24: one process per GPU, each seeing only its own (``CUDA_VISIBLE_DEVICES``, the
     i-th of this process's visible GPUs), their shards against this process's first two GPUs:
     the same kernels on the same shapes, so the same bytes."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
+    gpus = gpu_devices()
     if len(gpus) < NUM_PROCESSES:
         pytest.skip(f"needs {NUM_PROCESSES} GPUs, {len(gpus)} visible")
     expected = tmp_path / "expected.npz"
