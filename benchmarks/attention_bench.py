@@ -137,10 +137,14 @@ PALLAS_PAGES_PER_COMPUTE_BLOCK = 8
 #: 3.2e-2; tests/test_attention_bench.py).
 PALLAS_SANITY_TOLERANCE = 1e-2
 
-# The project's targets: % of the copy ceiling for the kernel, and the ragged batch's time over
+# Issue 18's kernel targets: a call's time at 1 x 4096 (2x the best bf16 decode measured there,
+# FlashInfer's 12.0 us on an H200); the share of the NVFP4 bytes floor elsewhere, which is the
+# row's % of the copy ceiling (the floor is the same bytes over the same ceiling): >= 60% at the
+# other serving points and 128 x 1024, >= 75% at the long ones; and the ragged batch's time over
 # its own bytes floor.
-TARGET_PCT = {"32x32768": 70, "8x32768": 70, "1x131072": 70, "128x4096": 70, "32x8192": 50,
-              "128x1024": 50}
+TARGET_US = {"1x4096": 6.0}
+TARGET_PCT = {"8x4096": 60, "64x1024": 60, "128x1024": 60, "8x8192": 60, "32x8192": 75,
+              "32x32768": 75, "8x32768": 75, "128x4096": 75, "1x131072": 75}
 TARGET_RAGGED_X_FLOOR = 1.3
 
 # The decode-step mode (--step-layers): its grid, its labels, and issue 18's targets for a step of
@@ -895,6 +899,15 @@ def evaluate_targets(result):
     kernel = {r["point"]: r for r in result["rows"] if r["method"] == "kernel"}
     ragged = [p["name"] for p in result["points"] if p["name"].startswith("ragged")]
     checks = []
+    for name, us in TARGET_US.items():
+        r = kernel.get(name)
+        target = f"<= {us:g} us a call"
+        if r is None or not r["us_per_call"] > 0:
+            checks.append({"point": name, "target": target, "value": None, "status": "not run"})
+            continue
+        checks.append({"point": name, "target": target, "value": f"{r['us_per_call']:.2f} us",
+                       "status": "PASS" if r["us_per_call"] <= us else "FAIL",
+                       "within_noise": _within_noise(r["us_per_call"], us, r["spread_pct"])})
     for name, pct in TARGET_PCT.items():
         r = kernel.get(name)
         if r is None or r["pct_ceiling"] is None:

@@ -430,6 +430,34 @@ def test_step_targets(bench):
                for c in bench.evaluate_targets(result))
 
 
+def test_kernel_targets_are_issue_18s(bench):
+    """The kernel's targets from rows: 1 x 4096 by its time (<= 6 us), the serving points and
+    128 x 1024 at >= 60% of the ceiling (the NVFP4 bytes floor over the time), the long points at
+    >= 75%, the ragged batch by its floor; PASS / FAIL at the boundary, not run without a row."""
+    def row(point, us, pct=None, x_floor=None):
+        return {"point": point, "method": "kernel", "us_per_call": us, "spread_pct": 1.0,
+                "pct_ceiling": pct, "x_floor": x_floor}
+    rows = [row("1x4096", 6.0, 8.0), row("8x4096", 30.0, 59.9), row("64x1024", 30.0, 60.0),
+            row("32x8192", 100.0, 74.0), row("32x32768", 380.0, 75.0),
+            row("ragged32", 200.0, 50.0, 1.31)]
+    result = {"rows": rows, "points": [], "config": {"step_layers": 0}}
+    checks = {c["point"]: c for c in bench.evaluate_targets(result)}
+    assert checks["1x4096"] == {"point": "1x4096", "target": "<= 6 us a call",
+                                "value": "6.00 us", "status": "PASS", "within_noise": True}
+    assert checks["8x4096"]["status"] == "FAIL" and checks["8x4096"]["target"] == \
+        ">= 60% of ceiling"
+    assert checks["64x1024"]["status"] == "PASS"
+    assert checks["32x8192"]["status"] == "FAIL" and checks["32x8192"]["target"] == \
+        ">= 75% of ceiling"
+    assert checks["32x32768"]["status"] == "PASS"
+    assert checks["ragged32"]["status"] == "FAIL" and checks["ragged32"]["value"] == "1.31x"
+    for name in ("128x1024", "8x8192", "8x32768", "128x4096", "1x131072"):
+        assert checks[name]["status"] == "not run"
+    assert set(checks) == {*bench.TARGET_US, *bench.TARGET_PCT, "ragged32"}
+    rows[0]["us_per_call"] = 6.5
+    assert {c["point"]: c for c in bench.evaluate_targets(result)}["1x4096"]["status"] == "FAIL"
+
+
 def _time_round_with(bench, monkeypatch, times, lengths=(2, 5, 8)):
     """Method.time_round over chains of ``lengths`` whose timed runs return ``times`` in turn;
     the timer replaced, nothing compiled or run. Returns (seconds per call, the method)."""
