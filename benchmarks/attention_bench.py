@@ -893,43 +893,33 @@ def evaluate_step_targets(result):
     return checks
 
 
+def _kernel_check(point, row, field, limit, target, fmt, at_most):
+    """One kernel target: the row's ``field`` against ``limit`` (at most, or at least), PASS /
+    FAIL with whether the margin is within the row's spread (``fmt`` writes the value with its
+    unit); not run without a measured value."""
+    value = None if row is None else row[field]
+    if value is None or not value > 0:
+        return {"point": point, "target": target, "value": None, "status": "not run"}
+    ok = value <= limit if at_most else value >= limit
+    return {"point": point, "target": target, "value": fmt.format(value),
+            "status": "PASS" if ok else "FAIL",
+            "within_noise": _within_noise(value, limit, row["spread_pct"])}
+
+
 def evaluate_targets(result):
+    """The targets of the run's mode: the decode step's, or the kernel's (TARGET_US, TARGET_PCT
+    and the ragged batch's floor), one check a point."""
     if result["config"]["step_layers"]:
         return evaluate_step_targets(result)
     kernel = {r["point"]: r for r in result["rows"] if r["method"] == "kernel"}
     ragged = [p["name"] for p in result["points"] if p["name"].startswith("ragged")]
-    checks = []
-    for name, us in TARGET_US.items():
-        r = kernel.get(name)
-        target = f"<= {us:g} us a call"
-        if r is None or not r["us_per_call"] > 0:
-            checks.append({"point": name, "target": target, "value": None, "status": "not run"})
-            continue
-        checks.append({"point": name, "target": target, "value": f"{r['us_per_call']:.2f} us",
-                       "status": "PASS" if r["us_per_call"] <= us else "FAIL",
-                       "within_noise": _within_noise(r["us_per_call"], us, r["spread_pct"])})
-    for name, pct in TARGET_PCT.items():
-        r = kernel.get(name)
-        if r is None or r["pct_ceiling"] is None:
-            checks.append({"point": name, "target": f">= {pct}% of ceiling", "value": None,
-                           "status": "not run"})
-            continue
-        ok = r["pct_ceiling"] >= pct
-        checks.append({"point": name, "target": f">= {pct}% of ceiling",
-                       "value": f"{r['pct_ceiling']:.1f}%", "status": "PASS" if ok else "FAIL",
-                       "within_noise": _within_noise(r["pct_ceiling"], pct, r["spread_pct"])})
-    for name in ragged or ["ragged32"]:
-        r = kernel.get(name)
-        target = f"<= {TARGET_RAGGED_X_FLOOR}x its bytes floor"
-        if r is None or r["x_floor"] is None:
-            checks.append({"point": name, "target": target, "value": None, "status": "not run"})
-            continue
-        ok = r["x_floor"] <= TARGET_RAGGED_X_FLOOR
-        checks.append({"point": name, "target": target, "value": f"{r['x_floor']:.2f}x",
-                       "status": "PASS" if ok else "FAIL",
-                       "within_noise": _within_noise(r["x_floor"], TARGET_RAGGED_X_FLOOR,
-                                                     r["spread_pct"])})
-    return checks
+    return ([_kernel_check(name, kernel.get(name), "us_per_call", us, f"<= {us:g} us a call",
+                           "{:.2f} us", at_most=True) for name, us in TARGET_US.items()]
+            + [_kernel_check(name, kernel.get(name), "pct_ceiling", pct, f">= {pct}% of ceiling",
+                             "{:.1f}%", at_most=False) for name, pct in TARGET_PCT.items()]
+            + [_kernel_check(name, kernel.get(name), "x_floor", TARGET_RAGGED_X_FLOOR,
+                             f"<= {TARGET_RAGGED_X_FLOOR}x its bytes floor", "{:.2f}x",
+                             at_most=True) for name in ragged or ["ragged32"]])
 
 
 def run(args):
