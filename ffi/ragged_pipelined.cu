@@ -4,7 +4,7 @@
 // kernel", whose structure benchmarks/prefill_pipeline_probe.cu measured at 516 TFLOP/s on an
 // H200 against 355 for the ragged kernel's). Three warpgroups: the producer copies the raw page
 // bytes (the ragged kernel's cp.async ring, 64 positions a ring step) and converts them into
-// one of PipeShape::kStages fp16 K/V stages of kStep positions (64, or 128 when switched so:
+// one of PipeShape::kStages fp16 K/V stages of kStep positions (128, or 64 when switched so:
 // Switches); each consumer multiplies its tile's rows by every stage on wgmma,
 // asynchronously: the scores of step n and P V of step n - 1 are issued together, the softmax
 // of step n runs while P V does, and a stage goes back to the producer (named barrier) once its
@@ -397,9 +397,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 // The developers' switches in the environment of the process, read once (one build then
 // measures and tests both sides):
 // - JAX_NVFP4_RAGGED_PIPELINED: 0 leaves the long sequences to the ragged kernel
-//   (tests/gpu_checks.sh part ragged-tile), 128 runs the kernel in steps of 128 positions
-//   (ragged v10: no faster on an H200, its producer the limit; kept for the producer's next
-//   versions, which it would show first), anything else or nothing in steps of 64;
+//   (tests/gpu_checks.sh part ragged-tile), 64 runs the kernel in steps of 64 positions
+//   (the default until the thirtieth session; benchmarks/NOTES.md, "steps of 128"), anything
+//   else or nothing in steps of 128 (2-3.5% faster on an H200 at every prefill point since
+//   v15's turns and v18's row sums; ragged v10, before them, was not);
 // - JAX_NVFP4_RAGGED_PINGPONG: 0 lets the consumers issue their products whenever their stage
 //   is full (ragged v9 to v14), anything else or nothing makes them take turns (v15).
 struct PipelinedSwitches {
@@ -414,7 +415,7 @@ const PipelinedSwitches& Switches() {
       return v == nullptr ? std::string_view() : std::string_view(v);
     };
     const std::string_view step = value("JAX_NVFP4_RAGGED_PIPELINED");
-    return PipelinedSwitches{step == "0" ? 0 : step == "128" ? 128 : 64,
+    return PipelinedSwitches{step == "0" ? 0 : step == "64" ? 64 : 128,
                              value("JAX_NVFP4_RAGGED_PINGPONG") != "0"};
   }();
   return switches;
