@@ -64,14 +64,20 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
 }
 
 // Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
-// cache at `slot` (>= 0).
+// cache at `slot` (>= 0), codes `data_bytes` at a time (16, 8 or 1: DataStoreBytes). Two blocks
+// of one head vector are adjacent in the page (docs/format.md §4): at 16 their codes go as one
+// store, and their two scale bytes as one 16-bit store where the scales are linear (K, or V
+// with v_scale_swizzle=False; swizzled V scales of adjacent blocks are 4 bytes apart). A warp's
+// code stores then write whole 32-byte sectors, two lanes each, where 8-byte stores wrote each
+// sector in pieces of 8 bytes: the L2 is the store's busiest unit (benchmarks/NOTES.md, v20).
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShape& shape,
                                            const WorkItem& w, int64_t slot,
                                            const uint4 (&in)[2 * kBlocks], StoreFactor factor,
-                                           bool aligned_data) {
+                                           int data_bytes) {
   uint32_t row;
   const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
+  QuantizedBlock q[kBlocks];
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) {
     const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
@@ -85,17 +91,35 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
     }
     uint32_t signs[2];
     block_signs_of_halves(words, signs);
-    const QuantizedBlock q = quantize_block(x, signs, factor, kSearch);
-    const BlockPlacement at =
-        place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
-    if (aligned_data) {
-      *reinterpret_cast<uint2*>(p.kv_cache + at.data) = make_uint2(q.packed[0], q.packed[1]);
-    } else {
+    q[blk] = quantize_block(x, signs, factor, kSearch);
+  }
+  const auto at = [&](int blk) {
+    return place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
+  };
+  const bool pair = kBlocks == 2 && data_bytes == 16;
+  if (pair) {
+    *reinterpret_cast<uint4*>(p.kv_cache + at(0).data) =
+        make_uint4(q[0].packed[0], q[0].packed[1], q[1].packed[0], q[1].packed[1]);
+  } else {
 #pragma unroll
-      for (int k = 0; k < kBlockBytes; ++k)
-        p.kv_cache[at.data + k] = uint8_t(q.packed[k / 4] >> (8 * (k % 4)));
+    for (int blk = 0; blk < kBlocks; ++blk) {
+      const int64_t data = at(blk).data;
+      if (data_bytes >= kBlockBytes) {
+        *reinterpret_cast<uint2*>(p.kv_cache + data) =
+            make_uint2(q[blk].packed[0], q[blk].packed[1]);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kBlockBytes; ++k)
+          p.kv_cache[data + k] = uint8_t(q[blk].packed[k / 4] >> (8 * (k % 4)));
+      }
     }
-    p.kv_cache[at.scale] = q.scale;
+  }
+  if (pair && (w.side == 0 || !p.page.v_scale_swizzle)) {
+    *reinterpret_cast<uint16_t*>(p.kv_cache + at(0).scale) =
+        uint16_t(q[0].scale | (uint32_t(q[kBlocks - 1].scale) << 8));
+  } else {
+#pragma unroll
+    for (int blk = 0; blk < kBlocks; ++blk) p.kv_cache[at(blk).scale] = q[blk].scale;
   }
 }
 
@@ -108,7 +132,7 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
-                bool aligned_data) {
+                int data_bytes) {
   const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = work < num_work;
   const WorkItem w = work_item<kBlocks>(shape, live ? work : 0u);
@@ -123,12 +147,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   // divisions (store v16; one division a CTA behind a __syncthreads before, benchmarks/NOTES.md).
   if (slot < 0) return;
   const StoreFactor factor = p.factor(w.layer, w.side);
-  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, aligned_data);
+  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, data_bytes);
 }
 
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
-            bool aligned_data) {
+            int data_bytes) {
   const int64_t num_work = num_blocks_total / kBlocks;
   const WorkShape shape{FastDivmod(uint32_t(p.page.head_size / kBlockElems / kBlocks)),
                         FastDivmod(uint32_t(p.page.num_kv_heads)),
@@ -136,17 +160,17 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
   StoreKernel<kIsF16, kBlocks, kSearch>
-      <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), aligned_data);
+      <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), data_bytes);
 }
 
 // The dtype, the blocks per thread and the scale search are compile-time in the kernel.
 template <bool kIsF16, int kBlocks>
 void LaunchForSearch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total,
-                     bool aligned_data) {
+                     int data_bytes) {
   if (p.scale_search == ScaleSearch::k4Over6)
-    Launch<kIsF16, kBlocks, ScaleSearch::k4Over6>(stream, p, num_blocks_total, aligned_data);
+    Launch<kIsF16, kBlocks, ScaleSearch::k4Over6>(stream, p, num_blocks_total, data_bytes);
   else
-    Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, aligned_data);
+    Launch<kIsF16, kBlocks, ScaleSearch::kDefault>(stream, p, num_blocks_total, data_bytes);
 }
 
 ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer value,
@@ -171,8 +195,13 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   constexpr int64_t kIndexLimit = int64_t(1) << 31;
   if (num_blocks_total >= kIndexLimit || p.num_blocks * p.page.block_size >= kIndexLimit)
     return InvalidArgument("more than 2^31 blocks of 16 values or cache slots in one call");
-  // 8-byte stores need every page side to start 8-byte aligned.
-  const bool aligned_data = p.page.side_bytes() % kBlockBytes == 0;
+  // The widest code store every block of the call allows: 16 bytes (a thread's two blocks)
+  // where every page side and the cache start 16-byte aligned, 8 (a block) where the sides
+  // start 8-byte aligned, else bytes.
+  const int data_bytes = p.page.side_bytes() % 16 == 0 &&
+                                 reinterpret_cast<uintptr_t>(p.kv_cache) % 16 == 0
+                             ? 16
+                             : p.page.side_bytes() % kBlockBytes == 0 ? kBlockBytes : 1;
   // Two blocks a thread where a head vector has an even number of them: more loads in flight
   // and the index arithmetic shared. (Four measured 1.7x slower on an H200: benchmarks/NOTES.md,
   // store v10.) A small store (kSmallStoreBlocks: a decode step's few tokens; at most 256 CTAs,
@@ -181,11 +210,11 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   const bool pairs = (p.page.head_size / kBlockElems) % 2 == 0 &&
                      num_blocks_total > kSmallStoreBlocks;
   if (p.is_f16) {
-    if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, aligned_data);
-    else LaunchForSearch<true, 1>(stream, p, num_blocks_total, aligned_data);
+    if (pairs) LaunchForSearch<true, 2>(stream, p, num_blocks_total, data_bytes);
+    else LaunchForSearch<true, 1>(stream, p, num_blocks_total, data_bytes);
   } else {
-    if (pairs) LaunchForSearch<false, 2>(stream, p, num_blocks_total, aligned_data);
-    else LaunchForSearch<false, 1>(stream, p, num_blocks_total, aligned_data);
+    if (pairs) LaunchForSearch<false, 2>(stream, p, num_blocks_total, data_bytes);
+    else LaunchForSearch<false, 1>(stream, p, num_blocks_total, data_bytes);
   }
   const cudaError_t launched = cudaGetLastError();
   if (launched != cudaSuccess) return CudaError("reshape_and_cache", "kernel launch", launched);
