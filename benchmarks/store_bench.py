@@ -519,6 +519,10 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, nargs="*", help="override the token counts")
     p.add_argument("--heads", type=int, nargs="*", help="override the kv head counts")
     p.add_argument("--methods", nargs="*", help="only methods whose name starts with one of these")
+    p.add_argument("--head-sizes", type=int, nargs="*",
+                   help="head sizes besides 128, each at 32768 tokens (--quick: 256) and the "
+                        "first kv head count (default 64 256, --quick 64; --tokens or --heads "
+                        "drop them unless this is given; empty: none)")
     p.add_argument("--no-cache-sizes", action="store_true", help="skip the 1 vs 64 GiB cache test")
     p.add_argument("--device-time-max-tokens", type=int, default=256,
                    help="also time the calls of at most this many tokens from a profiler trace "
@@ -539,6 +543,8 @@ def main(argv=None):
         if value:
             setattr(args, name, value)
             args.extra_head_sizes = []
+    if args.head_sizes is not None:
+        args.extra_head_sizes = args.head_sizes
     if args.no_cache_sizes:
         args.cache_sizes = []
     os.makedirs(args.out, exist_ok=True)
