@@ -253,6 +253,27 @@ def test_gpu_one_and_two_blocks_a_thread(scale_search, dtype, layout, v_scale_sw
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("num_kv_heads,head_size", [(1, 128), (3, 64), (3, 256)])
+def test_gpu_two_blocks_a_thread_where_a_warp_spans_tokens_and_sides(num_kv_heads, head_size,
+                                                                     layout):
+    """Two blocks a thread (above _ffi.STORE_SMALL_BLOCKS) where a warp's 32 consecutive items
+    (two blocks each, in the order block pair, head, side, token) are not one token's heads of
+    one side: 4, 6 and 24 items a (token, side), so a warp's items cross K/V and tokens, at 1
+    and 3 kv heads also inside each group of 8 lanes. A kernel that hands inputs between the
+    lanes of a warp (store v21's loads, benchmarks/NOTES.md) must still give every item its own;
+    padding slots included. The reference's bytes."""
+    from jax_nvfp4.primitive import _ffi
+    blocks_per_token = 2 * num_kv_heads * head_size // 16
+    tokens = _ffi.STORE_SMALL_BLOCKS // blocks_per_token + 37
+    case = sc.make_case(17 + num_kv_heads + head_size, num_tokens=tokens,
+                        num_kv_heads=num_kv_heads, head_size=head_size, block_size=16,
+                        dtype="bf16", layout=layout, v_scale_swizzle=True)
+    assert case.key.size * 2 // 16 > _ffi.STORE_SMALL_BLOCKS
+    check_store(case, "gpu", "default")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
 def test_gpu_one_token(scale_search):
     case = sc.make_case(12, num_tokens=1, num_kv_heads=4, head_size=128, block_size=16,
