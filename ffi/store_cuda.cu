@@ -124,11 +124,12 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
 }
 
 // One work item per thread (the grid covers them all): a CTA lives for one item, so what it
-// waits for is on the critical path of every CTA. A thread issues its slot and its input loads
-// first, all independent of each other and of the global scale, and only then waits for the
-// CTA's store factor and looks at its slot: one memory round trip instead of three in a row
-// (scale, then slot, then inputs). The inputs of a token with a skipped slot are read too (they
-// are the call's own operands, never the cache) and not used.
+// waits for is on the critical path of every CTA. The source asks for the slot's and the
+// inputs' loads before the global scale's and before the slot is looked at, but ptxas tests
+// the slot first and issues the scale's and the inputs' loads together after the exit of a
+// skipped slot (the SASS, thirtieth session): two memory round trips, and a skipped token's
+// inputs are not read. (Three in a row before store v16: scale, slot, inputs. Store v21,
+// benchmarks/variants, makes it one.)
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
