@@ -64,7 +64,7 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
 }
 
 // Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
-// cache at `slot` (>= 0), codes `data_bytes` at a time (16, 8 or 1: DataStoreBytes). Two blocks
+// cache at `slot` (>= 0), codes `data_bytes` at a time (16, 8 or 1: StoreCuda's choice). Two blocks
 // of one head vector are adjacent in the page (docs/format.md §4): at 16 their codes go as one
 // store, and their two scale bytes as one 16-bit store where the scales are linear (K, or V
 // with v_scale_swizzle=False; swizzled V scales of adjacent blocks are 4 bytes apart). A warp's

@@ -259,8 +259,8 @@ def test_gpu_two_blocks_a_thread_where_a_warp_spans_tokens_and_sides(num_kv_head
                                                                      layout):
     """Two blocks a thread (above _ffi.STORE_SMALL_BLOCKS) where a warp's 32 consecutive items
     (two blocks each, in the order block pair, head, side, token) are not one token's heads of
-    one side: 4, 6 and 24 items a (token, side), so a warp's items cross K/V and tokens, at 1
-    and 3 kv heads also inside each group of 8 lanes. A kernel that hands inputs between the
+    one side: 4, 6 and 24 items a (token, side), so a warp's items cross K/V and tokens, at 4
+    and 6 also inside each group of 8 lanes. A kernel that hands inputs between the
     lanes of a warp (store v21's loads, benchmarks/NOTES.md) must still give every item its own;
     padding slots included. The reference's bytes."""
     from jax_nvfp4.primitive import _ffi

@@ -4,8 +4,8 @@ Runs a reduced --quick (16 tokens, and head size 64 at 256; the NVFP4 store and 
 reference, no cache-size rows) in a subprocess on the CPU backend and checks what it prints: the
 smoke-run note once, first; the ceiling in units that fit; no share of the ceiling (meaningless
 off a GPU); the small calls' profiler time; the head-size rows; where the files went; the table
-last. About 15 s on 2 CPU cores. And the chain
-timing's rule for a difference that noise made non-positive (no run: its timer is replaced).
+last. About 15 s on 2 CPU cores. And the chain timing's rule for a difference that noise made
+non-positive (no run: its timer is replaced).
 """
 
 import importlib.util
