@@ -198,3 +198,11 @@ def test_targets_from_rows(bench):
     bench.add_ratios(rows)
     checks = {c["point"]: c for c in bench.evaluate_targets(result)}
     assert checks["s"]["ratio"] == pytest.approx(1.1) and "bounded" in checks["s"]["value"]
+    assert "not run" not in checks["c"]["value"]           # both cuDNN forms ran at "c"
+    # One of cuDNN's two forms left out (--only ragged,dense): the check says so.
+    rows = [r for r in rows if r["method"] != "dense_nc"]
+    bench.add_ratios(rows)
+    checks = {c["point"]: c for c in bench.evaluate_targets({**result, "rows": rows})}
+    assert checks["c"]["ratio"] == pytest.approx(0.9)
+    assert checks["c"]["value"].endswith(
+        "(cuDNN's unmasked row (dense_nc) not run; the target takes the faster of both)")
