@@ -106,6 +106,9 @@ QUICK_POINTS = [
 ]
 
 METHODS = ("ragged", "dense", "dense_nc", "decode", "parts", "glue")
+#: cuDNN's two dense forms (the targets take the faster), as the targets name them.
+DENSE_FORMS = {"dense": "cuDNN's exact-causal row (dense)",
+               "dense_nc": "cuDNN's unmasked row (dense_nc)"}
 KERNEL_TARGETS = {"ragged": RAGGED_TARGET, "ragged_bound": RAGGED_TARGET,
                   "part_chunks": RAGGED_TARGET,
                   "decode": DECODE_TARGET, "part_decode": DECODE_TARGET}
@@ -398,7 +401,7 @@ def method_args(key, wl, inputs):
     seq_lens = jnp.asarray(wl["seq_lens"], jnp.int32)
     if key in ("decode", "part_decode"):
         return qs, tables, seq_lens, inputs["nvfp4"]
-    if key in ("dense", "dense_nc"):
+    if key in DENSE_FORMS:
         return qs, tables, {}, {"groups": inputs["dense"]}
     lens = {"seq_lens": seq_lens, "num_seqs": jnp.int32(len(wl["seq_lens"])),
             "cu_q_lens": jnp.asarray(np.concatenate([[0], np.cumsum(wl["q_lens"])]), jnp.int32)}
@@ -417,7 +420,7 @@ class PrefillMethod(ab.Method):
 
 def candidates(key, point):
     """(label, attn, implementation) to try in order for one method at one point."""
-    if key in ("dense", "dense_nc"):
+    if key in DENSE_FORMS:
         return [(dense_label(*v), dense_attn(point["groups"], *v), v[0])
                 for v in dense_variants(key == "dense")]
     bound = functools.partial(ragged_attn, max_q_len=int(np.max(point["q_lens"])))
@@ -545,7 +548,7 @@ def add_ratios(rows):
     x_ref: the ragged row's time over its reference's (spec: decode, mixed: sum of parts)."""
     for name in dict.fromkeys(r["point"] for r in rows):
         same = {r["method"]: r for r in rows if r["point"] == name}
-        dense = [same[k] for k in ("dense", "dense_nc") if k in same and same[k]["us_per_call"] > 0]
+        dense = [same[k] for k in DENSE_FORMS if k in same and same[k]["us_per_call"] > 0]
         best = min(dense, key=lambda r: r["us_per_call"]) if dense else None
         for r in same.values():
             if best and r["method"] in ("ragged", "ragged_bound", "dense", "dense_nc", "parts") \
@@ -581,9 +584,7 @@ def evaluate_targets(result):
             elif field == "vs_dense":
                 # The target takes the faster of cuDNN's two forms: with one not run (--only),
                 # a "met" may not hold against it.
-                forms = {"dense": "cuDNN's exact-causal row (dense)",
-                         "dense_nc": "cuDNN's unmasked row (dense_nc)"}
-                absent = [forms[k] for k in forms if (p["name"], k) not in rows]
+                absent = [DENSE_FORMS[k] for k in DENSE_FORMS if (p["name"], k) not in rows]
                 if absent:
                     note = (f" ({' and '.join(absent)} not run; the target takes the faster of "
                             "both)")
