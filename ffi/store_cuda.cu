@@ -63,6 +63,51 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
       p.input_offset(w.layer, w.token, w.head, w.first));
 }
 
+// Two blocks a thread: where a warp's 32 items, 64 bytes each, pass through its part of shared
+// memory (kStagedPieces 16-byte pieces), the piece `chunk` of `item` (both of the warp) lies. A
+// 16-byte pad after every second item spreads both the writes (8 lanes: 2 items x 4 chunks) and
+// the reads (8 lanes: 8 items, one chunk) over the 8 distinct 16-byte bank groups of a 128-byte
+// row: no bank conflicts either way; an item's pieces stay adjacent (one address, offsets).
+constexpr int kStagedPieces = 32 * 4 + 32 / 2;
+__device__ __forceinline__ int staged_piece(int item, int chunk) {
+  return 4 * item + item / 2 + chunk;
+}
+
+// The thread's inputs (`src`: its item's) into `in`. One block a thread: its own two 16-byte
+// loads. Two blocks (store v21, benchmarks/NOTES.md): a thread's own four loads would each take
+// 16 bytes of 16 different 128-byte lines across its warp (lane t's 64 bytes lie at 64t), two
+// L2 requests a line where one will do. Instead load i of lane t takes piece t % 4 of the item
+// of lane 8i + t / 4 (its address by shuffle), so each load of the warp reads whole lines
+// wherever the warp's items are contiguous (one token's heads of one side); the pieces then go
+// to their owners through the warp's 2 KB of shared memory (one __syncwarp, no CTA barrier).
+// Every lane of the warp takes part: a lane past the call's items loads item 0's inputs, as
+// before. (Not in the 4over6 kernel: there the shuffled addresses cost a 16-byte spill.)
+template <int kBlocks, ScaleSearch kSearch>
+__device__ __forceinline__ void load_inputs(const uint4* src, uint4 (&in)[2 * kBlocks]) {
+  if constexpr (kBlocks == 2 && kSearch == ScaleSearch::kDefault) {
+    __shared__ uint4 staged[kThreadsPerBlock / 32 * kStagedPieces];
+    const int lane = int(threadIdx.x % 32u);
+    uint4* warp_staged = staged + threadIdx.x / 32u * kStagedPieces;
+    const int chunk = lane % 4;
+    uint4 piece[4];  // all loads issued before any use
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const auto from = __shfl_sync(~0u, reinterpret_cast<unsigned long long>(src),
+                                    8 * i + lane / 4);
+      piece[i] = __ldg(reinterpret_cast<const uint4*>(from) + chunk);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // (item 8 i + lane / 4: staged_piece's + 36 i)
+      warp_staged[staged_piece(lane / 4, chunk) + i * staged_piece(8, 0)] = piece[i];
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) in[c] = warp_staged[staged_piece(lane, c)];
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
+  }
+}
+
 // Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
 // cache at `slot` (>= 0), codes `data_bytes` at a time (16, 8 or 1: StoreCuda's choice). Two blocks
 // of one head vector are adjacent in the page (docs/format.md §4): at 16 their codes go as one
@@ -124,12 +169,15 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
 }
 
 // One work item per thread (the grid covers them all): a CTA lives for one item, so what it
-// waits for is on the critical path of every CTA. The source asks for the slot's and the
-// inputs' loads before the global scale's and before the slot is looked at, but ptxas tests
-// the slot first and issues the scale's and the inputs' loads together after the exit of a
-// skipped slot (the SASS, thirtieth session): two memory round trips, and a skipped token's
-// inputs are not read. (Three in a row before store v16: scale, slot, inputs. Store v21,
-// benchmarks/variants, makes it one.)
+// waits for is on the critical path of every CTA. A thread's slot, global scale and inputs are
+// loaded independently of each other, and only then does it look at its slot. With two blocks a
+// thread (the default search) the inputs' pieces pass through shared memory before that, so all
+// the loads are in flight together: one memory round trip (store v21). Elsewhere ptxas tests
+// the slot first and issues the other loads behind it, past the exit of a skipped slot: two
+// trips. (ptxas moves non-coherent loads past the exit even from volatile asm; `ld.relaxed.gpu`
+// stays ahead but bypasses L1, where the second and fourth of a lane's own loads hit.) The
+// inputs of a token with a skipped slot are then read too (the call's own operands, never the
+// cache) and not used.
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
     StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
@@ -137,17 +185,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = work < num_work;
   const WorkItem w = work_item<kBlocks>(shape, live ? work : 0u);
-  const int64_t slot = live ? p.valid_slot(w.layer, w.token) : -1;
-  const uint4* src = item_input(p, w);
-  uint4 in[2 * kBlocks];  // all loads issued before any use
-#pragma unroll
-  for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
+  const int64_t any_slot = p.valid_slot(w.layer, w.token);
+  const float scale = *p.scale_of(w.layer, w.side);
+  uint4 in[2 * kBlocks];
+  load_inputs<kBlocks, kSearch>(item_input(p, w), in);
 
   // g = 1/scale for the item's layer and side, worked out by each thread (a warp's lanes load
   // one or two words: broadcasts): no CTA barrier, so no warp waits for another's load and
   // divisions (store v16; one division a CTA behind a __syncthreads before, benchmarks/NOTES.md).
+  const int64_t slot = live ? any_slot : -1;
   if (slot < 0) return;
-  const StoreFactor factor = p.factor(w.layer, w.side);
+  const StoreFactor factor = StoreProblem::factor_of_scale(scale);
   store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, data_bytes);
 }
 

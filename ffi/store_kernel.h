@@ -38,13 +38,21 @@ struct StoreProblem {
     return (slot < 0 || slot >= num_blocks * page.block_size) ? -1 : slot;
   }
 
-  // g = 1/scale and 1/g (docs/format.md §2) for one layer's K (side 0) or V (side 1). A scale
-  // outside [kMinScale, kMaxScale] is NaN here (jax_nvfp4.checks.sanitize_scale, which the jnp
+  // One layer's global scale of K (side 0) or V (side 1), as given.
+  NVFP4_HD const float* scale_of(int64_t layer, int side) const {
+    return (side == 0 ? k_scale : v_scale) + layer * scales_layer_stride;
+  }
+
+  // g = 1/scale and 1/g (docs/format.md §2) for a global scale `s`. A scale outside
+  // [kMinScale, kMaxScale] is NaN here (jax_nvfp4.checks.sanitize_scale, which the jnp
   // reference applies): every value it stores reads back NaN.
-  NVFP4_HD StoreFactor factor(int64_t layer, int side) const {
-    const float* scale = side == 0 ? k_scale : v_scale;
-    const float s = scale[layer * scales_layer_stride];
+  NVFP4_HD static StoreFactor factor_of_scale(float s) {
     return store_factor(scale_is_valid(s) ? s : NAN);
+  }
+
+  // The same for one layer's K (side 0) or V (side 1).
+  NVFP4_HD StoreFactor factor(int64_t layer, int side) const {
+    return factor_of_scale(*scale_of(layer, side));
   }
 
   // First input element of block b of (layer, token, head) of side 0 (K) or 1 (V).
