@@ -273,6 +273,27 @@ def test_gpu_two_blocks_a_thread_where_a_warp_spans_tokens_and_sides(num_kv_head
     check_store(case, "gpu", "default")
 
 
+@pytest.mark.parametrize("platform", PLATFORMS)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("head_size", [192, 320])
+@pytest.mark.parametrize("extra_tokens", [0, 1], ids=["one_block_a_thread", "two"])
+def test_swizzled_v_scales_with_a_group_of_three_or_five(platform, layout, head_size,
+                                                         extra_tokens):
+    """Swizzled V scales where the swizzle's group G = S / 4 (docs/format.md §4) is not a power
+    of two: 3 at head size 192, 5 at 320 (the other tests' swizzled sizes have G = 1, 2, 4). The
+    CUDA store divides the block index by G (store v22's FastDivmod, benchmarks/NOTES.md);
+    on the GPU both sides of _ffi.STORE_SMALL_BLOCKS (one and two blocks a thread)."""
+    from jax_nvfp4.primitive import _ffi
+    heads = 2
+    blocks_per_token = 2 * heads * head_size // 16
+    tokens = _ffi.STORE_SMALL_BLOCKS // blocks_per_token + extra_tokens
+    case = sc.make_case(400 + head_size + extra_tokens, num_tokens=tokens, num_kv_heads=heads,
+                        head_size=head_size, block_size=8, dtype="bf16", layout=layout,
+                        v_scale_swizzle=True, num_padding=5, num_out_of_range=3)
+    assert (case.key.size * 2 // 16 > _ffi.STORE_SMALL_BLOCKS) == bool(extra_tokens)
+    check_store(case, platform, "default")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale_search", SCALE_SEARCHES)
 def test_gpu_one_token(scale_search):
