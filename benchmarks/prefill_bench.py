@@ -551,7 +551,7 @@ def add_ratios(rows):
         dense = [same[k] for k in DENSE_FORMS if k in same and same[k]["us_per_call"] > 0]
         best = min(dense, key=lambda r: r["us_per_call"]) if dense else None
         for r in same.values():
-            if best and r["method"] in ("ragged", "ragged_bound", "dense", "dense_nc", "parts") \
+            if best and r["method"] in ("ragged", "ragged_bound", "parts", *DENSE_FORMS) \
                     and r["us_per_call"] > 0:
                 r["vs_dense"] = best["us_per_call"] / r["us_per_call"]
                 r["dense_ref"] = best["label"]
