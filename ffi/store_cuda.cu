@@ -190,11 +190,11 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   uint4 in[2 * kBlocks];
   load_inputs<kBlocks, kSearch>(item_input(p, w), in);
 
+  const int64_t slot = live ? any_slot : -1;
+  if (slot < 0) return;
   // g = 1/scale for the item's layer and side, worked out by each thread (a warp's lanes load
   // one or two words: broadcasts): no CTA barrier, so no warp waits for another's load and
   // divisions (store v16; one division a CTA behind a __syncthreads before, benchmarks/NOTES.md).
-  const int64_t slot = live ? any_slot : -1;
-  if (slot < 0) return;
   const StoreFactor factor = StoreProblem::factor_of_scale(scale);
   store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, data_bytes);
 }
