@@ -543,9 +543,12 @@ struct PageGeometry {
   NVFP4_HD int64_t side_bytes() const {
     return num_kv_heads * block_size * (data_bytes_per_head_token() + scales_per_head_token());
   }
-  // Row of (head, row-in-page) in a [heads, block_size] (HND) or [block_size, heads] (NHD) plane.
+  // Row of (head, row-in-page) in a [heads, block_size] (HND) or [block_size, heads] (NHD)
+  // plane: head * head_stride() + row * row_stride().
+  NVFP4_HD int64_t head_stride() const { return layout == Layout::kHND ? block_size : 1; }
+  NVFP4_HD int64_t row_stride() const { return layout == Layout::kHND ? 1 : num_kv_heads; }
   NVFP4_HD int64_t plane_row(int64_t head, int64_t row) const {
-    return layout == Layout::kHND ? head * block_size + row : row * num_kv_heads + head;
+    return head * head_stride() + row * row_stride();
   }
   // Byte offset, within the side, of the packed data of (head, token row).
   NVFP4_HD int64_t data_offset(int64_t head, int64_t row) const {
@@ -555,15 +558,22 @@ struct PageGeometry {
   // The in-page indices are small: 32-bit arithmetic (a 64-bit division is slow on GPUs).
   NVFP4_HD int64_t scale_offset(bool is_value, int64_t head, int32_t row, int32_t s) const {
     const int32_t num_scales = int32_t(scales_per_head_token());
-    int32_t row_in_plane = row, col = s;
+    uint32_t row_in_plane = uint32_t(row), col = uint32_t(s);
     if (is_value && v_scale_swizzle) {
       // row, s >= 0: unsigned division, which costs the GPU about half of a signed one.
       const uint32_t group = uint32_t(num_scales) / 4u;
       const uint32_t s_hi = uint32_t(s) / group;
-      row_in_plane = int32_t((uint32_t(row) & ~3u) + s_hi);
-      col = int32_t((uint32_t(s) - s_hi * group) * 4u + (uint32_t(row) & 3u));
+      swizzle_scale(s_hi, uint32_t(s) - s_hi * group, &row_in_plane, &col);
     }
     return side_data_bytes() + plane_row(head, row_in_plane) * num_scales + col;
+  }
+
+  // docs/format.md §4's V-scale swizzle, G = S / 4: block scale s = s_hi * G + s_lo of page row
+  // `row` (in: *row, *col = s) lies at plane row 4 (row / 4) + s_hi, column 4 s_lo + row % 4 of
+  // the scale plane, so the bytes of rows 4k .. 4k+3 of one block are adjacent.
+  NVFP4_HD static void swizzle_scale(uint32_t s_hi, uint32_t s_lo, uint32_t* row, uint32_t* col) {
+    *col = s_lo * 4u + (*row & 3u);
+    *row = (*row & ~3u) + s_hi;
   }
 };
 

@@ -33,6 +33,57 @@ struct WorkShape {
   FastDivmod block_size;
 };
 
+// StoreProblem::page for the kernels' address arithmetic (place_block's, docs/format.md §4): a
+// block's bytes are a 64-bit page-side base plus an offset inside the side, which the handler
+// checks is below 2^31, so the kernel works the offsets out in 32 bits from these (where
+// place_block multiplies 64-bit fields: ~70 instructions an item, store v22). The CPU kernel
+// keeps place_block; the tests compare the bytes of both.
+struct PagePlacement {
+  uint64_t layer_bytes;       // one member's cache: num_blocks page pairs
+  uint32_t side_bytes;        // one page side: its data, then its scales
+  uint32_t side_data_bytes;   // where a side's scales start
+  uint32_t head_stride;       // PageGeometry's: plane row of (head, row) =
+  uint32_t row_stride;        //   head * head_stride + row * row_stride
+  uint32_t data_bytes_per_row;  // D / 2
+  uint32_t scales_per_row;      // S = D / 16
+  FastDivmod scale_group;       // G = S / 4 of the V-scale swizzle (S % 4 == 0 where swizzled)
+  bool v_scale_swizzle;
+
+  explicit PagePlacement(const StoreProblem& p)
+      : layer_bytes(uint64_t(p.layer_cache_bytes())),
+        side_bytes(uint32_t(p.page.side_bytes())),
+        side_data_bytes(uint32_t(p.page.side_data_bytes())),
+        head_stride(uint32_t(p.page.head_stride())),
+        row_stride(uint32_t(p.page.row_stride())),
+        data_bytes_per_row(uint32_t(p.page.data_bytes_per_head_token())),
+        scales_per_row(uint32_t(p.page.scales_per_head_token())),
+        scale_group(uint32_t(std::max<int64_t>(p.page.scales_per_head_token() / 4, 1))),
+        v_scale_swizzle(p.page.v_scale_swizzle) {}
+
+  __device__ __forceinline__ uint32_t plane_row(uint32_t head, uint32_t row) const {
+    return head * head_stride + row * row_stride;
+  }
+
+  // place_block's offsets, as a page side's first byte in the cache and offsets inside it: the
+  // side of (layer, page `block`, side), then block b's codes and scale byte of (head, row).
+  __device__ __forceinline__ uint64_t side_base(uint32_t layer, uint32_t block, int side) const {
+    return uint64_t(layer) * layer_bytes + uint64_t(block * 2u + uint32_t(side)) * side_bytes;
+  }
+  __device__ __forceinline__ uint32_t data_offset(uint32_t head, uint32_t row, uint32_t b) const {
+    return plane_row(head, row) * data_bytes_per_row + b * kBlockBytes;
+  }
+  __device__ __forceinline__ uint32_t scale_offset(int side, uint32_t head, uint32_t row,
+                                                   uint32_t b) const {
+    uint32_t col = b;
+    if (side == 1 && v_scale_swizzle) {
+      uint32_t b_lo;
+      const uint32_t b_hi = scale_group.divmod(b, &b_lo);
+      PageGeometry::swizzle_scale(b_hi, b_lo, &row, &col);
+    }
+    return side_data_bytes + plane_row(head, row) * scales_per_row + col;
+  }
+};
+
 // A work item: kBlocks consecutive 16-element blocks of one head vector. Consecutive items are
 // consecutive block groups of a head vector, then heads, then K/V, then tokens, so that the
 // loads (16 bytes each) and the packed stores of consecutive threads are contiguous across a
@@ -41,7 +92,8 @@ struct WorkShape {
 struct WorkItem {
   uint32_t first;  // the item's first block in its head vector
   uint32_t head, token, layer;
-  int side;        // 0: K, 1: V
+  uint32_t vector;  // (layer, token, head)'s head vector in key or value, [L, T, H] flat
+  int side;         // 0: K, 1: V
 };
 
 template <int kBlocks>
@@ -51,16 +103,18 @@ __device__ __forceinline__ WorkItem work_item(const WorkShape& shape, uint32_t w
   uint32_t rest = shape.blocks_per_head.divmod(work, &group);
   rest = shape.num_kv_heads.divmod(rest, &w.head);
   w.side = int(rest & 1u);
+  w.vector = (rest >> 1) * shape.num_kv_heads.divisor + w.head;
   w.layer = shape.num_tokens.divmod(rest >> 1, &w.token);
   w.first = group * kBlocks;
   return w;
 }
 
-// The item's inputs: 32 bytes per block, 32-byte aligned.
+// The item's inputs: 32 bytes per block, 32-byte aligned. (StoreProblem::input_offset, from
+// the head vector's index: below 2^31, as the call's blocks are.)
 __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const WorkItem& w) {
   return reinterpret_cast<const uint4*>(
       static_cast<const uint16_t*>(w.side == 0 ? p.key : p.value) +
-      p.input_offset(w.layer, w.token, w.head, w.first));
+      uint64_t(w.vector) * uint32_t(p.page.head_size) + w.first * kBlockElems);
 }
 
 // Two blocks a thread: where a warp's 32 items, 64 bytes each, pass through its part of shared
@@ -117,7 +171,8 @@ __device__ __forceinline__ void load_inputs(const uint4* src, uint4 (&in)[2 * kB
 // sector in pieces of 8 bytes: the L2 is the store's busiest unit (benchmarks/NOTES.md, v20).
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShape& shape,
-                                           const WorkItem& w, int64_t slot,
+                                           const PagePlacement& page, const WorkItem& w,
+                                           int64_t slot,
                                            const uint4 (&in)[2 * kBlocks], StoreFactor factor,
                                            int data_bytes) {
   uint32_t row;
@@ -138,33 +193,31 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
     block_signs_of_halves(words, signs);
     q[blk] = quantize_block(x, signs, factor, kSearch);
   }
-  const auto at = [&](int blk) {
-    return place_block(p, w.layer, block, int32_t(row), w.side, w.head, int32_t(w.first + blk));
-  };
+  uint8_t* const side = p.kv_cache + page.side_base(w.layer, block, w.side);
   const bool pair = kBlocks == 2 && data_bytes == 16;
   if (pair) {
-    *reinterpret_cast<uint4*>(p.kv_cache + at(0).data) =
+    *reinterpret_cast<uint4*>(side + page.data_offset(w.head, row, w.first)) =
         make_uint4(q[0].packed[0], q[0].packed[1], q[1].packed[0], q[1].packed[1]);
   } else {
 #pragma unroll
     for (int blk = 0; blk < kBlocks; ++blk) {
-      const int64_t data = at(blk).data;
+      uint8_t* const data = side + page.data_offset(w.head, row, w.first + uint32_t(blk));
       if (data_bytes >= kBlockBytes) {
-        *reinterpret_cast<uint2*>(p.kv_cache + data) =
-            make_uint2(q[blk].packed[0], q[blk].packed[1]);
+        *reinterpret_cast<uint2*>(data) = make_uint2(q[blk].packed[0], q[blk].packed[1]);
       } else {
 #pragma unroll
         for (int k = 0; k < kBlockBytes; ++k)
-          p.kv_cache[data + k] = uint8_t(q[blk].packed[k / 4] >> (8 * (k % 4)));
+          data[k] = uint8_t(q[blk].packed[k / 4] >> (8 * (k % 4)));
       }
     }
   }
-  if (pair && (w.side == 0 || !p.page.v_scale_swizzle)) {
-    *reinterpret_cast<uint16_t*>(p.kv_cache + at(0).scale) =
+  if (pair && (w.side == 0 || !page.v_scale_swizzle)) {
+    *reinterpret_cast<uint16_t*>(side + page.scale_offset(w.side, w.head, row, w.first)) =
         uint16_t(q[0].scale | (uint32_t(q[kBlocks - 1].scale) << 8));
   } else {
 #pragma unroll
-    for (int blk = 0; blk < kBlocks; ++blk) p.kv_cache[at(blk).scale] = q[blk].scale;
+    for (int blk = 0; blk < kBlocks; ++blk)
+      side[page.scale_offset(w.side, w.head, row, w.first + uint32_t(blk))] = q[blk].scale;
   }
 }
 
@@ -180,8 +233,8 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
 // cache) and not used.
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
 __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
-    StoreKernel(const StoreProblem p, const WorkShape shape, uint32_t num_work,
-                int data_bytes) {
+    StoreKernel(const StoreProblem p, const WorkShape shape, const PagePlacement page,
+                uint32_t num_work, int data_bytes) {
   const uint32_t work = blockIdx.x * blockDim.x + threadIdx.x;
   const bool live = work < num_work;
   const WorkItem w = work_item<kBlocks>(shape, live ? work : 0u);
@@ -196,7 +249,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock, kMinCtasPerSm<kSearch>)
   // one or two words: broadcasts): no CTA barrier, so no warp waits for another's load and
   // divisions (store v16; one division a CTA behind a __syncthreads before, benchmarks/NOTES.md).
   const StoreFactor factor = StoreProblem::factor_of_scale(scale);
-  store_item<kIsF16, kBlocks, kSearch>(p, shape, w, slot, in, factor, data_bytes);
+  store_item<kIsF16, kBlocks, kSearch>(p, shape, page, w, slot, in, factor, data_bytes);
 }
 
 template <bool kIsF16, int kBlocks, ScaleSearch kSearch>
@@ -209,7 +262,8 @@ void Launch(cudaStream_t stream, const StoreProblem& p, int64_t num_blocks_total
                         FastDivmod(uint32_t(p.page.block_size))};
   const int64_t grid = (num_work + kThreadsPerBlock - 1) / kThreadsPerBlock;  // < 2^23
   StoreKernel<kIsF16, kBlocks, kSearch>
-      <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, uint32_t(num_work), data_bytes);
+      <<<grid, kThreadsPerBlock, 0, stream>>>(p, shape, PagePlacement(p), uint32_t(num_work),
+                                              data_bytes);
 }
 
 // The dtype, the blocks per thread and the scale search are compile-time in the kernel.
@@ -244,6 +298,8 @@ ffi::Error StoreCuda(cudaStream_t stream, ffi::AnyBuffer key, ffi::AnyBuffer val
   constexpr int64_t kIndexLimit = int64_t(1) << 31;
   if (num_blocks_total >= kIndexLimit || p.num_blocks * p.page.block_size >= kIndexLimit)
     return InvalidArgument("more than 2^31 blocks of 16 values or cache slots in one call");
+  if (p.page.side_bytes() >= kIndexLimit)  // PagePlacement's offsets inside a page side
+    return InvalidArgument("a page side of 2^31 bytes or more");
   // The widest code store every block of the call allows: 16 bytes (a thread's two blocks)
   // where every page side and the cache start 16-byte aligned, 8 (a block) where the sides
   // start 8-byte aligned, else bytes.
