@@ -120,9 +120,9 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
 // A warp's staged inputs (store v21, v23): its 32 items' 16-byte pieces in shared memory, piece q
 // of the warp's sequence (item q / kPieces, its piece q % kPieces) at q + q / 8: a 16-byte pad
 // after every 128 bytes. The writes of a warp-wide load (8 lanes: 128 contiguous bytes) and the
-// reads of a piece of 8 lanes' own items (every kPieces-th piece: 4 or 8, so 8 items span 8
-// distinct pads) then fall on the 8 distinct 16-byte bank groups of a 128-byte row: no bank
-// conflict either way.
+// reads of one piece of 8 lanes' own items (every kPieces-th piece, kPieces dividing 8: at 2, 4
+// and 8 the 8 lanes' slots are 8 distinct bank groups mod 8, counted) then fall on the 8
+// distinct 16-byte bank groups of a 128-byte row: no bank conflict either way.
 template <int kPieces>
 struct WarpStage {
   static_assert(kPieces == 2 || kPieces == 4 || kPieces == 8, "pieces an item");
