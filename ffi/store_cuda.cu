@@ -109,12 +109,11 @@ __device__ __forceinline__ WorkItem work_item(const WorkShape& shape, uint32_t w
   return w;
 }
 
-// The item's inputs: 32 bytes per block, 32-byte aligned. (StoreProblem::input_offset, from
-// the head vector's index: below 2^31, as the call's blocks are.)
+// The item's inputs: 32 bytes per block, 32-byte aligned.
 __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const WorkItem& w) {
   return reinterpret_cast<const uint4*>(
       static_cast<const uint16_t*>(w.side == 0 ? p.key : p.value) +
-      uint64_t(w.vector) * uint32_t(p.page.head_size) + w.first * kBlockElems);
+      p.vector_input_offset(w.vector, w.first));
 }
 
 // A warp's staged inputs (store v21, v23): its 32 items' 16-byte pieces in shared memory, piece q

@@ -55,10 +55,15 @@ struct StoreProblem {
     return factor_of_scale(*scale_of(layer, side));
   }
 
-  // First input element of block b of (layer, token, head) of side 0 (K) or 1 (V).
+  // First input element of block b of head vector `vector` of K or V: (layer, token, head)
+  // flat over [num_layers, num_tokens, num_kv_heads].
+  NVFP4_HD int64_t vector_input_offset(int64_t vector, int64_t b) const {
+    return vector * page.head_size + b * kBlockElems;
+  }
+
+  // The same for (layer, token, head).
   NVFP4_HD int64_t input_offset(int64_t layer, int64_t token, int64_t head, int64_t b) const {
-    return ((layer * num_tokens + token) * page.num_kv_heads + head) * page.head_size +
-           b * kBlockElems;
+    return vector_input_offset((layer * num_tokens + token) * page.num_kv_heads + head, b);
   }
 };
 
