@@ -116,86 +116,48 @@ __device__ __forceinline__ const uint4* item_input(const StoreProblem& p, const 
       p.vector_input_offset(w.vector, w.first));
 }
 
-// A warp's staged inputs (store v21, v23): its 32 items' 16-byte pieces in shared memory, piece q
-// of the warp's sequence (item q / kPieces, its piece q % kPieces) at q + q / 8: a 16-byte pad
-// after every 128 bytes. The writes of a warp-wide load (8 lanes: 128 contiguous bytes) and the
-// reads of one piece of 8 lanes' own items (every kPieces-th piece, kPieces dividing 8: at 2, 4
-// and 8 the 8 lanes' slots are 8 distinct bank groups mod 8, counted) then fall on the 8
-// distinct 16-byte bank groups of a 128-byte row: no bank conflict either way.
-template <int kPieces>
-struct WarpStage {
-  static_assert(kPieces == 2 || kPieces == 4 || kPieces == 8, "pieces an item");
-  static constexpr int kSlots = 32 * kPieces + 32 * kPieces / 8;
-  static __device__ __forceinline__ int slot(int q) { return q + int(unsigned(q) / 8u); }
-};
-
-// The thread's inputs (`src`: its item's), staged through its warp's part of `staged`
-// (kPieces = 2 kBlocks of 16 bytes an item): a thread's own loads would each take 16 bytes of
-// 16 or more different 128-byte lines across its warp (lane t's bytes lie at 16 kPieces t),
-// two or more L2 requests a line where one will do. Instead load i of lane t takes piece
-// t % kPieces of the item of lane (32 / kPieces) i + t / kPieces (its address by shuffle), so
-// each load of the warp reads whole lines wherever the warp's items are contiguous (one token's
-// heads of one side); the pieces then go to their owners through shared memory (one
-// __syncwarp, no CTA barrier). Every lane of the warp takes part: a lane past the call's items
-// loads item 0's inputs, as before.
-template <int kPieces>
-__device__ __forceinline__ void stage_inputs(const uint4* src, uint4* warp_staged) {
-  using S = WarpStage<kPieces>;
-  const int lane = int(threadIdx.x % 32u);
-  uint4 piece[kPieces];  // all loads issued before any use
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i) {
-    const auto from = __shfl_sync(~0u, reinterpret_cast<unsigned long long>(src),
-                                  32 / kPieces * i + lane / kPieces);
-    piece[i] = __ldg(reinterpret_cast<const uint4*>(from) + lane % kPieces);
-  }
-#pragma unroll
-  for (int i = 0; i < kPieces; ++i)  // (piece q = kPieces item + chunk = 32 i + lane)
-    warp_staged[S::slot(lane) + i * S::slot(32)] = piece[i];
-  __syncwarp();
+// Two blocks a thread: where a warp's 32 items, 64 bytes each, pass through its part of shared
+// memory (kStagedPieces 16-byte pieces), the piece `chunk` of `item` (both of the warp) lies. A
+// 16-byte pad after every second item spreads both the writes (8 lanes: 2 items x 4 chunks) and
+// the reads (8 lanes: 8 items, one chunk) over the 8 distinct 16-byte bank groups of a 128-byte
+// row: no bank conflicts either way; an item's pieces stay adjacent (one address, offsets).
+constexpr int kStagedPieces = 32 * 4 + 32 / 2;
+__device__ __forceinline__ int staged_piece(int item, int chunk) {
+  return 4 * item + item / 2 + chunk;
 }
 
-// Piece c of the thread's own item, from its warp's staged copy.
-template <int kPieces>
-__device__ __forceinline__ uint4 own_piece(const uint4* warp_staged, int c) {
-  // (slot(kPieces lane + c) = slot(kPieces lane) + c: c < kPieces, which divides 8)
-  return warp_staged[WarpStage<kPieces>::slot(kPieces * int(threadIdx.x % 32u)) + c];
-}
-
-// The thread's inputs into `in`. One block a thread: its own two 16-byte loads. Two blocks
-// (store v21, benchmarks/NOTES.md): staged (stage_inputs), then read back whole. (Not in the
-// 4over6 kernel: there the shuffled addresses cost a 16-byte spill.)
+// The thread's inputs (`src`: its item's) into `in`. One block a thread: its own two 16-byte
+// loads. Two blocks (store v21, benchmarks/NOTES.md): a thread's own four loads would each take
+// 16 bytes of 16 different 128-byte lines across its warp (lane t's 64 bytes lie at 64t), two
+// L2 requests a line where one will do. Instead load i of lane t takes piece t % 4 of the item
+// of lane 8i + t / 4 (its address by shuffle), so each load of the warp reads whole lines
+// wherever the warp's items are contiguous (one token's heads of one side); the pieces then go
+// to their owners through the warp's 2 KB of shared memory (one __syncwarp, no CTA barrier).
+// Every lane of the warp takes part: a lane past the call's items loads item 0's inputs, as
+// before. (Not in the 4over6 kernel: there the shuffled addresses cost a 16-byte spill.)
 template <int kBlocks, ScaleSearch kSearch>
 __device__ __forceinline__ void load_inputs(const uint4* src, uint4 (&in)[2 * kBlocks]) {
   if constexpr (kBlocks == 2 && kSearch == ScaleSearch::kDefault) {
-    __shared__ uint4 staged[kThreadsPerBlock / 32 * WarpStage<4>::kSlots];
-    uint4* const warp_staged = staged + threadIdx.x / 32u * WarpStage<4>::kSlots;
-    stage_inputs<4>(src, warp_staged);
+    __shared__ uint4 staged[kThreadsPerBlock / 32 * kStagedPieces];
+    const int lane = int(threadIdx.x % 32u);
+    uint4* warp_staged = staged + threadIdx.x / 32u * kStagedPieces;
+    const int chunk = lane % 4;
+    uint4 piece[4];  // all loads issued before any use
 #pragma unroll
-    for (int c = 0; c < 4; ++c) in[c] = own_piece<4>(warp_staged, c);
+    for (int i = 0; i < 4; ++i) {
+      const auto from = __shfl_sync(~0u, reinterpret_cast<unsigned long long>(src),
+                                    8 * i + lane / 4);
+      piece[i] = __ldg(reinterpret_cast<const uint4*>(from) + chunk);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)  // (item 8 i + lane / 4: staged_piece's + 36 i)
+      warp_staged[staged_piece(lane / 4, chunk) + i * staged_piece(8, 0)] = piece[i];
+    __syncwarp();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) in[c] = warp_staged[staged_piece(lane, c)];
   } else {
 #pragma unroll
     for (int i = 0; i < 2 * kBlocks; ++i) in[i] = __ldg(src + i);
-  }
-}
-
-// The item's blocks quantised, from its 16-byte input pieces (`piece(i)`: two a block).
-template <bool kIsF16, int kBlocks, ScaleSearch kSearch, class Pieces>
-__device__ __forceinline__ void quantize_item(const Pieces& piece, StoreFactor factor,
-                                              QuantizedBlock (&q)[kBlocks]) {
-#pragma unroll
-  for (int blk = 0; blk < kBlocks; ++blk) {
-    const uint4 lo = piece(2 * blk), hi = piece(2 * blk + 1);
-    const uint32_t words[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-    float x[kBlockElems];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
-      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
-    }
-    uint32_t signs[2];
-    block_signs_of_halves(words, signs);
-    q[blk] = quantize_block(x, signs, factor, kSearch);
   }
 }
 
@@ -215,7 +177,21 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
   uint32_t row;
   const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
   QuantizedBlock q[kBlocks];
-  quantize_item<kIsF16, kBlocks, kSearch>([&](int i) { return in[i]; }, factor, q);
+#pragma unroll
+  for (int blk = 0; blk < kBlocks; ++blk) {
+    const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
+                               in[2 * blk].w,     in[2 * blk + 1].x, in[2 * blk + 1].y,
+                               in[2 * blk + 1].z, in[2 * blk + 1].w};
+    float x[kBlockElems];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[2 * i] = widen(uint16_t(words[i] & 0xFFFFu), kIsF16);
+      x[2 * i + 1] = widen(uint16_t(words[i] >> 16), kIsF16);
+    }
+    uint32_t signs[2];
+    block_signs_of_halves(words, signs);
+    q[blk] = quantize_block(x, signs, factor, kSearch);
+  }
   uint8_t* const side = p.kv_cache + page.side_base(w.layer, block, w.side);
   const bool pair = kBlocks == 2 && data_bytes == 16;
   if (pair) {
