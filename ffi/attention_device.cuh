@@ -147,10 +147,21 @@ struct PageView {
   FastDivmod block_size;
   bool tile_in_page;       // block_size % 16 == 0: a 16-token tile never crosses a page (decode)
 
-  // Byte offset (from `cache`) of a page id read from the block table: ids outside the
-  // cache are clamped into it (never read outside the cache, whatever the table holds).
+  // A page id read from the block table, clamped into the cache (never read outside the
+  // cache, whatever the table holds): >= 0 wherever a page is read (a cache without pages has
+  // no table columns: the handlers check it).
+  __device__ __forceinline__ int32_t clamped_page(int32_t page) const {
+    return min(max(page, 0), last_page);
+  }
+  // Byte offset (from `cache`) of a page id read from the block table.
   __device__ __forceinline__ int64_t page_offset(int32_t page) const {
-    return int64_t(min(max(page, 0), last_page)) * page_bytes;
+    return int64_t(clamped_page(page)) * page_bytes;
+  }
+  // The same page's first byte, as one unsigned 32 x 32 -> 64-bit product (the handlers bound
+  // a page below 2^31 bytes): the tile kernels' copies use it; the decode loop keeps
+  // page_offset, whose signed form ptxas fits in its 128 registers without a spill.
+  __device__ __forceinline__ const uint8_t* page_address(int32_t page) const {
+    return cache + uint64_t(uint32_t(clamped_page(page))) * uint32_t(page_bytes);
   }
   // The page offset of a position, and its row in the page.
   __device__ __forceinline__ int64_t locate(uint32_t position, uint32_t* row) const {

@@ -153,14 +153,14 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
 
   const int num_steps = (last_end - begin + R::kKv - 1) / R::kKv;
   const uint32_t end = uint32_t(last_end);
-  const TileCopies<kHead, kSwizzle, kLayout, R::kStages> copies{
-      ring, pv, grid.block_size, staged, begin, end, vector, side, part};
+  TileCopies<kHead, kSwizzle, kLayout, R::kStages> copies(ring, pv, staged, begin, end, vector,
+                                                          side, part);
 #pragma unroll
   for (int step = 0; step < R::kStages - 1; ++step) {
-    if (step < num_steps) copies.copy(step, copies.page_of(step));
+    if (step < num_steps) copies.copy_next(copies.next_page());
     copy_async_commit();
   }
-  int32_t page_ahead = copies.page_of(R::kStages - 1);
+  int32_t page_ahead = copies.next_page();
 
   __syncthreads();  // q and the row data
 
@@ -191,13 +191,13 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
     copy_async_wait<R::kStages - 2>();
     __syncthreads();
     convert_vector<kHead, kSwizzle>(ring + (step % R::kStages) * R::kRawStageBytes, staged,
-                                    side, vector, part, copies.position(step) < end,
+                                    side, vector, part, copies.position_of(step) < end,
                                     convert_dst);
     // The stage converted a step ago is free: the copies of step + kStages - 1 go there.
     const int ahead = step + R::kStages - 1;
     if (ahead < num_steps) {
-      copies.copy(ahead, page_ahead);
-      page_ahead = copies.page_of(ahead + 1);
+      copies.copy_next(page_ahead);
+      page_ahead = copies.next_page();
     }
     copy_async_commit();
     if constexpr (R::kWgmma) {

@@ -164,14 +164,14 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     const int side = t / R::kKv, vector = t % R::kKv;
     const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
     const int num_raw = num_steps * P::kRawSteps;
-    const TileCopies<kHead, kSwizzle, kLayout, P::kRingSlots> copies{
-        ring, pv, grid.block_size, staged, begin, end, vector, side, 0};
+    TileCopies<kHead, kSwizzle, kLayout, P::kRingSlots> copies(ring, pv, staged, begin, end,
+                                                               vector, side, 0);
 #pragma unroll
     for (int raw = 0; raw < P::kRingSlots - 1; ++raw) {
-      if (raw < num_raw) copies.copy(raw, copies.page_of(raw));
+      if (raw < num_raw) copies.copy_next(copies.next_page());
       copy_async_commit();
     }
-    int32_t page_ahead = copies.page_of(P::kRingSlots - 1);
+    int32_t page_ahead = copies.next_page();
 #pragma unroll 1
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % P::kStages;
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
           named_sync(empty_barrier(stage), kPipeThreads);
         convert_vector<kHead, kSwizzle, P::kBlockBytes>(
             ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
-            copies.position(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
+            copies.position_of(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
         if (h == P::kRawSteps - 1) {
           fence_proxy_async_shared();  // read by wgmma next
           named_arrive(full_barrier(stage), kPipeThreads);
@@ -200,8 +200,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         // long scoreboard; ragged v9.1).
         const int ahead = raw + P::kRingSlots - 1;
         if (ahead < num_raw) {
-          copies.copy(ahead, page_ahead);
-          page_ahead = copies.page_of(ahead + 1);
+          copies.copy_next(page_ahead);
+          page_ahead = copies.next_page();
         }
         copy_async_commit();
       }

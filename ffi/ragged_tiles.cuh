@@ -178,56 +178,90 @@ __device__ __forceinline__ StageSlot<kHead> stage_slot(int side, int position, i
           R::kRawCodeBytes + vector * R::kScales, part * R::kScaleBytes};
 }
 
-// Copies this thread's bytes of position `pos` into `stage`: codes when pos < end, scales when
-// the position's row group starts before end (swizzled V: the group's 4 plane rows hold the
-// scales of all 4 positions; rows past end inside the group are read but never used).
+// Copies this thread's bytes of position `pos` from `page` to shared memory (its codes to
+// `code_dst`, its scales to `scale_dst`): codes when pos < end, scales when the position's row
+// group starts before end (swizzled V: the group's 4 plane rows hold the scales of all 4
+// positions; rows past end inside the group are read but never used). A copy that is not
+// made reads nothing (cp.async's zero fill) from an address inside the cache all the same:
+// page ids are clamped into it, and a position past end comes with page 0 (next_page), so no
+// select is needed. The offsets inside a page are 32-bit (a page is below 2^31 bytes).
 template <int kHead, bool kSwizzle, Layout kLayout>
-__device__ __forceinline__ void copy_vector(uint8_t* stage, const StageSlot<kHead>& slot,
+__device__ __forceinline__ void copy_vector(uint32_t code_dst, uint32_t scale_dst,
                                             const PageView<kLayout>& pv, int32_t page,
                                             uint32_t pos, uint32_t end, uint32_t row, int side,
                                             int part) {
   using R = RaggedShape<kHead>;
   const bool code_valid = pos < end;
   const bool scale_valid = (kSwizzle && side == 1) ? (pos & ~3u) < end : code_valid;
-  const uint8_t* side_bytes = pv.cache + pv.page_offset(page) + side * pv.side_bytes;
-  const int32_t plane = pv.plane_row(row);
-  const uint8_t* codes = code_valid ? side_bytes + plane * (kHead / 2) + part * R::kCodeBytes
-                                    : pv.cache;
-  const uint8_t* scales = scale_valid
-      ? side_bytes + pv.side_data + plane * R::kScales + slot.scale_part : pv.cache;
+  const uint8_t* const page_bytes = pv.page_address(page);
+  const uint32_t plane = uint32_t(pv.plane_row(row));
+  const uint32_t side_offset = uint32_t(side) * uint32_t(pv.side_bytes);
+  const uint8_t* const codes =
+      page_bytes + (side_offset + plane * (kHead / 2) + uint32_t(part * R::kCodeBytes));
+  const uint8_t* const scales = page_bytes + (side_offset + uint32_t(pv.side_data) +
+                                              plane * R::kScales + uint32_t(part * R::kScaleBytes));
 #pragma unroll
   for (int i = 0; i < R::kCodeBytes / 16; ++i)
-    copy_async<16>(stage + slot.code_offset + 16 * i, codes + 16 * i, code_valid);
-  copy_async<R::kScaleBytes>(stage + slot.scale_offset + slot.scale_part, scales, scale_valid);
+    copy_async_to<16>(code_dst + 16 * i, codes + 16 * i, code_valid);
+  copy_async_to<R::kScaleBytes>(scale_dst, scales, scale_valid);
 }
 
-// One thread's page copies of a tile: at ring step `step` (kKv positions from `begin`), part
-// `part` of the head vector of position `vector` of the step and side `side`, into ring slot
-// step % kSlots; its block-table entry read a step ahead (page_of, then copy), the entries past
-// `end` never read.
+// One thread's page copies of a tile, ring step after ring step (kKv positions from `begin`):
+// part `part` of the head vector of position `vector` of the step and side `side`, into ring
+// slot step % kSlots; its block-table entry read a step ahead (next_page, then copy_next with
+// it), the entries past `end` never read. The calls alternate, next_page() then
+// copy_next(page), from step 0 on: a cursor keeps the next step's position, block-table entry
+// and row in the page, and moves them by kKv positions a step (kKv / block_size entries and
+// kKv % block_size rows, carried), where each step divided its position by the block size
+// twice (two FastDivmods) and formed the table entry's address anew (ragged v20).
 template <int kHead, bool kSwizzle, Layout kLayout, int kSlots>
 struct TileCopies {
-  uint8_t* ring;
+  using R = RaggedShape<kHead>;
   PageView<kLayout> pv;
-  FastDivmod block_size;
-  StageSlot<kHead> staged;
+  uint32_t code_dst, scale_dst;  // ring slot 0's shared addresses of this thread's bytes
   int32_t begin;
   uint32_t end;
   int vector, side, part;
+  int32_t entries_a_step, rows_a_step;  // kKv / block_size, kKv % block_size
+  // The cursor: the next step's ring slot (its offset), position, block-table entry and row.
+  uint32_t slot = 0;
+  uint32_t position;
+  int32_t entry, row;  // (an index, not a pointer: it runs past the table row unread)
 
-  __device__ __forceinline__ uint32_t position(int step) const {
-    return uint32_t(begin + step * RaggedShape<kHead>::kKv + vector);
+  __device__ __forceinline__ TileCopies(uint8_t* ring, const PageView<kLayout>& pv,
+                                        const StageSlot<kHead>& staged, int32_t begin,
+                                        uint32_t end, int vector, int side, int part)
+      : pv(pv),
+        code_dst(shared_address(ring) + uint32_t(staged.code_offset)),
+        scale_dst(shared_address(ring) + uint32_t(staged.scale_offset + staged.scale_part)),
+        begin(begin), end(end), vector(vector), side(side), part(part) {
+    entries_a_step = int32_t(pv.block_size.div(uint32_t(R::kKv)));
+    rows_a_step = R::kKv - entries_a_step * int32_t(pv.block_size.divisor);
+    position = uint32_t(begin + vector);
+    uint32_t r;
+    entry = int32_t(pv.block_size.divmod(position, &r));
+    row = int32_t(r);
   }
-  __device__ __forceinline__ int32_t page_of(int step) const {
-    const uint32_t pos = position(step);
-    return (pos & ~3u) < end ? __ldg(pv.table + block_size.div(pos)) : 0;
+  // The position of ring step `s` (the conversion's: position_of(s) < end is a live row).
+  __device__ __forceinline__ uint32_t position_of(int s) const {
+    return uint32_t(begin + s * R::kKv + vector);
   }
-  __device__ __forceinline__ void copy(int step, int32_t page) const {
-    const uint32_t pos = position(step);
-    uint32_t row;
-    block_size.divmod(pos, &row);
-    copy_vector<kHead, kSwizzle>(ring + (step % kSlots) * RaggedShape<kHead>::kRawStageBytes,
-                                 staged, pv, page, pos, end, row, side, part);
+  // The page of the cursor's step (0 where its row group starts at or past end: not read).
+  __device__ __forceinline__ int32_t next_page() const {
+    return (position & ~3u) < end ? __ldg(pv.table + entry) : 0;
+  }
+  // Copies the cursor's step from `page` (next_page()'s), then moves the cursor on.
+  __device__ __forceinline__ void copy_next(int32_t page) {
+    copy_vector<kHead, kSwizzle>(code_dst + slot, scale_dst + slot, pv, page, position, end,
+                                 uint32_t(row), side, part);
+    slot = slot == (kSlots - 1) * R::kRawStageBytes ? 0 : slot + R::kRawStageBytes;
+    position += R::kKv;
+    entry += entries_a_step;
+    row += rows_a_step;
+    if (row >= int32_t(pv.block_size.divisor)) {
+      row -= int32_t(pv.block_size.divisor);
+      ++entry;
+    }
   }
 };
 
@@ -242,30 +276,39 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
                                                uint8_t* side_buffer) {
   using R = RaggedShape<kHead>;
   const int chunk0 = part * R::kThreadDims / 8;
-  const auto dst = [&](int w) {
-    return reinterpret_cast<uint4*>(side_buffer +
-                                    kv_chunk<kHead, kBlockBytes>(position, chunk0 + w));
+  // The 16 bytes of dims [8 c, 8 c + 8) (kv_chunk): the row's first byte is 128-byte aligned
+  // (side_buffer 1024-aligned, 128-byte rows), so the swizzle's chunk c % 8 XOR position % 8
+  // is the XOR of bits 4-6 of `row` (kv_chunk(position, 0): position % 8 there) with c % 8,
+  // and the 64-dim block an immediate offset (was: the row plus one of 8 per-thread registers
+  // holding each chunk's swizzled offset, an add a store).
+  const uint32_t row =
+      shared_address(side_buffer) + uint32_t(kv_chunk<kHead, kBlockBytes>(position, 0));
+  const auto store = [&](int w, uint4 v) {
+    const int c = chunk0 + w;
+    store_shared(((row ^ uint32_t((c & 7) << 4)) + uint32_t((c >> 3) * kBlockBytes)), v);
   };
   if (!valid) {
 #pragma unroll
-    for (int w = 0; w < R::kCodeWords; ++w) *dst(w) = make_uint4(0, 0, 0, 0);
+    for (int w = 0; w < R::kCodeWords; ++w) store(w, make_uint4(0, 0, 0, 0));
     return;
   }
   uint32_t scales[R::kScaleBytes / 4];
   if (kSwizzle && side == 1) {
-    // Block s of position r: plane row 4 (r / 4) + s / G, column 4 (s % G) + r % 4.
-    constexpr int kGroup = R::kScales / 4;
+    // Block s of position r: plane row 4 (r / 4) + s / G, column 4 (s % G) + r % 4, G =
+    // kScales / 4 (docs/format.md §4). Scale word w of this thread holds blocks s = part x
+    // kScaleBytes + 4 w + i, i = 0..3: with G = 1, 2 or 4 (head sizes 64, 128, 256) they are
+    // byte r % 4 of the four 4-byte words of the row group's 16-byte piece part x kScaleBytes /
+    // 4 + w, so one 16-byte load and three byte permutes gather a word (were four byte loads
+    // and three permutes).
+    static_assert(R::kScales == 4 || R::kScales == 8 || R::kScales == 16, "G = 1, 2 or 4");
     const uint8_t* group_rows = stage + slot.scale_offset - (position & 3) * R::kScales;
+    const uint32_t j = uint32_t(position & 3);
+    const uint32_t pick = j | ((j + 4) << 4);  // bytes j of a and of b into bytes 0 and 1
 #pragma unroll
     for (int w = 0; w < R::kScaleBytes / 4; ++w) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int s = part * R::kScaleBytes + 4 * w + i;
-        word |= uint32_t(group_rows[(s / kGroup) * R::kScales + 4 * (s % kGroup) +
-                                    (position & 3)]) << (8 * i);
-      }
-      scales[w] = word;
+      const uint4 v = *reinterpret_cast<const uint4*>(
+          group_rows + 16 * (part * R::kScaleBytes / 4 + w));
+      scales[w] = prmt(prmt(v.x, v.y, pick), prmt(v.z, v.w, pick), 0x5410);
     }
   } else {
     const uint8_t* own = stage + slot.scale_offset + slot.scale_part;
@@ -293,8 +336,8 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
         const int w = 4 * pair + 2 * half + k;
         uint32_t r[4];
         e2m1x8_to_f16x2(codes[w], r);
-        *dst(w) = make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
-                             hmul2(r[3], scale));
+        store(w, make_uint4(hmul2(r[0], scale), hmul2(r[1], scale), hmul2(r[2], scale),
+                            hmul2(r[3], scale)));
       }
     }
   }
