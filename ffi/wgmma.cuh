@@ -130,6 +130,70 @@ __device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
                "r"(v.z), "r"(v.w) : "memory");
 }
 
+// Two CTAs of a cluster sharing stages (the pipelined prefill kernel's pairs, sm_90): the other
+// CTA's shared memory through the cluster's window (distributed shared memory), mbarriers that
+// both CTAs arrive on, and asynchronous stores into the other CTA's shared memory that complete
+// their bytes on its mbarrier. The arrivals and waits take the default semantics (release /
+// acquire at CTA scope), as CUTLASS's cluster pipelines do: the data that crosses CTAs goes by
+// the asynchronous stores, whose completion the mbarrier itself tracks (`.release.cluster`
+// compiles to a GPU-wide MEMBAR before every arrival). (Bulk copies of the converted rows to
+// the other CTA instead ran 4% slower than CTAs alone: ragged v21's row in benchmarks/NOTES.md.)
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+// The shared::cluster address of the bytes at shared::cta address `address` in CTA `rank`.
+__device__ __forceinline__ uint32_t cluster_address(uint32_t address, uint32_t rank) {
+  uint32_t mapped;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(mapped) : "r"(address), "r"(rank));
+  return mapped;
+}
+__device__ __forceinline__ void mbarrier_init(uint32_t address, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(address), "r"(arrivals)
+               : "memory");
+}
+// The barriers' initialisation made visible to the cluster (before the cluster barrier).
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival on this CTA's mbarrier, announcing `bytes` more to come by bulk copies.
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(uint32_t address, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(address),
+               "r"(bytes)
+               : "memory");
+}
+// One arrival on the mbarrier at shared::cluster address `address` (this CTA's or the other's).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint32_t address) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(address) : "memory");
+}
+// Waits until the phase of parity `parity` of this CTA's mbarrier has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t address, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n"
+      "}\n" ::"r"(address),
+      "r"(parity)
+      : "memory");
+}
+// 16 bytes to shared::cluster address `to` (the other CTA's), completing them on its mbarrier
+// at shared::cluster address `barrier`: an asynchronous store, ordered for the readers of that
+// CTA by the barrier's phase (no fence, no bulk copy).
+__device__ __forceinline__ void store_async_to_cluster(uint32_t to, uint4 v, uint32_t barrier) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, "
+      "[%5];\n" ::"r"(to),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(barrier)
+      : "memory");
+}
+// Every thread of the cluster's CTAs (unaligned: reached from several places).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 // Keeps registers that an asynchronous wgmma reads (its A fragments) alive and unchanged until
 // this point (after its wait): an empty asm that "modifies" them (no instruction).
 template <int N>
