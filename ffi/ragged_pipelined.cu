@@ -74,9 +74,7 @@ struct PipeShape {
   // 16 x 8 fp16 ones (two 8 x 16-byte core matrices): the B of the consumers' row sums.
   static constexpr int kOnesBytes = 256;
   static constexpr int kOnesOffset = kRowOffset + 2 * kRows * 3 * 4;
-  // A pair's mbarriers (ragged v21): each stage's full and empty.
-  static constexpr int kBarrierOffset = kOnesOffset + kOnesBytes;
-  static constexpr int kSmemBytes = kBarrierOffset + 2 * kStages * 8;
+  static constexpr int kSmemBytes = kOnesOffset + kOnesBytes;
   static_assert(kOnesOffset % 16 == 0, "wgmma descriptors address 16-byte units");
   static_assert(kRingSlots >= 3, "a ring step converted, one landing, one in flight");
   static_assert(!kQInStage || kQBytes <= kStageBytes, "q fits a stage");
@@ -95,29 +93,7 @@ __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipe
 __device__ __forceinline__ int turn_barrier(int c) { return 4 + 2 * kMaxPipeStages + c; }
 static_assert(4 + 2 * kMaxPipeStages + 1 < 16, "16 named barriers a CTA");
 
-// Pairs (ragged v21): two CTAs of a cluster (grid.y = 2) take two adjacent pairs of tiles of
-// one sequence and kv head (a unit of four tiles; the second CTA's pair may be missing) and
-// share their stages: the producer of CTA r copies and converts ring step r of each step of 128
-// positions only (half of what it does alone: the producer paced the kernel, NOTES "What limits
-// it"), storing each converted 16 bytes into its own stage and, asynchronously, into the other
-// CTA's. A stage is full when this CTA's producer warps have arrived on its mbarrier and the
-// other CTA's stores have completed on it (each warp's arrival announces the bytes its
-// counterpart stores), and empty when the consumer warps of both CTAs have arrived on it (the
-// other CTA's producer writes it too). Both CTAs run the unit's steps (those of its last tile); the second
-// CTA's consumers hand back the steps past their rows unread, as consumer 1 does.
-template <int kStages>
-struct PairBarriers {
-  uint32_t full, empty;  // this CTA's, shared::cta addresses (a stage's 8 bytes apart)
-  uint32_t other;        // the other CTA's bytes minus this CTA's, in the cluster's window
-  // The phase of empty[stage] the producer waits for before writing step `step`: the one of the
-  // step kStages before, where with q in the last stage its first phase is the q loads'.
-  __device__ __forceinline__ static uint32_t empty_parity(int step, int stage, bool q_in_stage) {
-    const int phase = step / kStages - ((q_in_stage && stage == kStages - 1) ? 0 : 1);
-    return uint32_t(phase) & 1u;
-  }
-};
-
-template <bool kSwizzle, Layout kLayout, int kStep, bool kPaired>
+template <bool kSwizzle, Layout kLayout, int kStep>
 __global__ void __launch_bounds__(kPipeThreads, 1)
     PipelinedPrefillKernel(const RaggedProblem p, const RaggedGrid grid, const bool turns) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -125,7 +101,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   using R = RaggedShape<kHead>;
   using P = PipeShape<kStep>;
   static_assert(P::kStages <= kMaxPipeStages, "barrier ids");
-  static_assert(!kPaired || P::kRawSteps == 2, "a pair splits a step's two ring steps");
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* const ring = smem + P::kRingOffset;
   uint16_t* const q_smem = reinterpret_cast<uint16_t*>(smem + P::kQOffset);
@@ -142,30 +117,24 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const int64_t member_rows = cta.member_rows;
 
   // The CTA's pair of tiles: pair k from a sequence's end holds its tiles T - 1 - 2k (consumer
-  // 0) and T - 2 - 2k (consumer 1; none for the first tile of an odd count). A unit of work is
-  // a pair, or with kPaired two (pairs 2u and 2u + 1 from the end: CTA rank 0's and 1's).
+  // 0) and T - 2 - 2k (consumer 1; none for the first tile of an odd count).
   TileWork work;
-  const auto units_of = [&](int32_t q_len) {
-    const int32_t pairs = takes_pipelined(p, q_len, group) ? (tiles_of(q_len, group) + 1) / 2 : 0;
-    return kPaired ? (pairs + 1) / 2 : pairs;
+  const auto pairs_of = [&](int32_t q_len) {
+    return takes_pipelined(p, q_len, group) ? (tiles_of(q_len, group) + 1) / 2 : 0;
   };
-  if (!find_unit(cu, ns, num_tokens, slot, lane, units_of, &work)) return;
+  if (!find_unit(cu, ns, num_tokens, slot, lane, pairs_of, &work)) return;
   const int32_t rows_seq = work.q_len * group;
-  const int32_t tiles = tiles_of(work.q_len, group);
-  const int32_t unit_from_end = units_of(work.q_len) - 1 - work.tile;
-  const int32_t rank = kPaired ? int32_t(cluster_rank()) : 0;
-  // The unit's last tile (rank 0's consumer 0's), and this CTA's first (negative: none).
-  const int32_t lead_tile = tiles - 1 - (kPaired ? 4 : 2) * unit_from_end;
-  const int32_t first_tile = lead_tile - 2 * rank;
-  const auto rows_in = [&](int32_t tile) {
+  const int32_t pairs = (tiles_of(work.q_len, group) + 1) / 2;
+  const int32_t first_tile = tiles_of(work.q_len, group) - 1 - 2 * (pairs - 1 - work.tile);
+  const auto rows_of = [&](int c) {  // rows of consumer c's tile (0: none)
+    const int32_t tile = first_tile - c;
     return tile < 0 ? 0 : min(kRows, rows_seq - tile * kRows);
   };
-  const auto rows_of = [&](int c) { return rows_in(first_tile - c); };  // consumer c's (0: none)
 
   const SplitRange range = split_range(p, grid, member, work.seq, work.q_len, split);
   const int32_t begin = range.begin;
-  // The unit's last tile ends last: the steps of both CTAs of a pair.
-  const int32_t last_end = range.row_end(grid, lead_tile * kRows + rows_in(lead_tile) - 1);
+  // Consumer 0's tile is the later one: its last row ends last.
+  const int32_t last_end = range.row_end(grid, first_tile * kRows + rows_of(0) - 1);
   const auto q_row_of = [&](int c, int r) {  // row r of consumer c's tile among [T, Hq]
     uint32_t qh;
     const uint32_t j = grid.group.divmod(uint32_t((first_tile - c) * kRows + r), &qh);
@@ -181,24 +150,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const int num_steps = (last_end - begin + kStep - 1) / kStep;
   const uint32_t end = uint32_t(last_end);
 
-  // A pair's barriers, initialised before either CTA arrives on the other's (the cluster
-  // barrier); every thread of both CTAs passes the cluster barrier again before it exits, so
-  // that no CTA leaves while the other may still write its stages or arrive on its barriers.
-  PairBarriers<P::kStages> pair{};
-  if constexpr (kPaired) {
-    pair.full = shared_address(smem + P::kBarrierOffset);
-    pair.empty = pair.full + 8 * P::kStages;
-    pair.other = cluster_address(pair.full, uint32_t(rank ^ 1)) - pair.full;
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < P::kStages; ++i) {
-        mbarrier_init(pair.full + 8 * i, kThreads / 32);           // this CTA's producer warps
-        mbarrier_init(pair.empty + 8 * i, 2 * 2 * kThreads / 32);  // both CTAs' consumer warps
-      }
-      fence_mbarrier_init_cluster();
-    }
-    cluster_sync();
-  }
-
   if (wg == 0) {
     // The producer.
     setmaxnreg_dec<kProducerRegisters>();
@@ -212,11 +163,9 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     // Ring steps of 64 positions: kRawSteps of them per step.
     const int side = t / R::kKv, vector = t % R::kKv;
     const StageSlot<kHead> staged = stage_slot<kHead>(side, vector, 0);
-    // Ring steps this CTA converts: each step's kRawSteps, or with kPaired its ring step `rank`.
-    constexpr int kOwnRaw = kPaired ? 1 : P::kRawSteps;
-    const int num_raw = num_steps * kOwnRaw;
-    TileCopies<kHead, kSwizzle, kLayout, P::kRingSlots, P::kRawSteps / kOwnRaw> copies(
-        ring, pv, staged, begin + rank * R::kKv, end, vector, side, 0);
+    const int num_raw = num_steps * P::kRawSteps;
+    TileCopies<kHead, kSwizzle, kLayout, P::kRingSlots> copies(ring, pv, staged, begin, end,
+                                                               vector, side, 0);
 #pragma unroll
     for (int raw = 0; raw < P::kRingSlots - 1; ++raw) {
       if (raw < num_raw) copies.copy_next(copies.next_page());
@@ -227,37 +176,22 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     for (int step = 0; step < num_steps; ++step) {
       const int stage = step % P::kStages;
 #pragma unroll
-      for (int h = 0; h < kOwnRaw; ++h) {
-        const int raw = step * kOwnRaw + h;
+      for (int h = 0; h < P::kRawSteps; ++h) {
+        const int raw = step * P::kRawSteps + h;
         // This ring step's bytes have landed (the barrier: every producer thread's; also every
         // producer thread is done converting the ring step before, whose slot is reused below).
         copy_async_wait<P::kRingSlots - 2>();
         named_sync(kProducerBarrier, kThreads);
         // The stage's last reader is done (with q in the last stage, its first writing waits
-        // for the consumers' q loads: that barrier's first phase); with kPaired, both CTAs'.
-        if (h == 0 && (step >= P::kStages || (P::kQInStage && step == P::kStages - 1))) {
-          if constexpr (kPaired)
-            mbarrier_wait(pair.empty + 8 * stage, pair.empty_parity(step, stage, P::kQInStage));
-          else
-            named_sync(empty_barrier(stage), kPipeThreads);
-        }
-        uint8_t* const side_stage = smem + stage * P::kStageBytes + side * P::kSideBytes;
-        convert_vector<kHead, kSwizzle, P::kBlockBytes, kPaired>(
-            ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, side,
-            (kPaired ? rank : h) * R::kKv + vector, 0, copies.position_of(raw) < end, side_stage,
-            pair.other, pair.full + 8 * stage + pair.other);
-        if (h == kOwnRaw - 1) {
-          if constexpr (kPaired) {
-            // Every lane's stores here are read by wgmma next; the warp's arrival here announces
-            // the bytes its counterpart in the other CTA stores into this stage (32 vectors of
-            // kHead fp16 dims).
-            fence_proxy_async_shared();
-            __syncwarp();
-            if (lane == 0) mbarrier_arrive_expect_bytes(pair.full + 8 * stage, 32 * kHead * 2);
-          } else {
-            fence_proxy_async_shared();  // read by wgmma next
-            named_arrive(full_barrier(stage), kPipeThreads);
-          }
+        // for the consumers' q loads: that barrier's first phase).
+        if (h == 0 && (step >= P::kStages || (P::kQInStage && step == P::kStages - 1)))
+          named_sync(empty_barrier(stage), kPipeThreads);
+        convert_vector<kHead, kSwizzle, P::kBlockBytes>(
+            ring + (raw % P::kRingSlots) * R::kRawStageBytes, staged, side, h * R::kKv + vector, 0,
+            copies.position_of(raw) < end, smem + stage * P::kStageBytes + side * P::kSideBytes);
+        if (h == P::kRawSteps - 1) {
+          fence_proxy_async_shared();  // read by wgmma next
+          named_arrive(full_barrier(stage), kPipeThreads);
         }
         // The copies ahead only after the conversion (and after the hand-over where there is
         // one): the fence waits for this thread's memory operations in flight, and a copy
@@ -273,10 +207,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
       }
     }
     copy_async_wait<0>();
-    if constexpr (kPaired) {
-      cluster_sync();  // (the mbarriers' phases need no balancing)
-      return;
-    }
     // The stages' last hand-backs, so that no barrier is left mid-phase.
     for (int step = max(num_steps - P::kStages, 0); step < num_steps; ++step)
       named_sync(empty_barrier(step % P::kStages), kPipeThreads);
@@ -298,25 +228,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     if (turns && (c == 0 || step < num_steps - 1)) named_arrive(turn_barrier(1 - c), 2 * kThreads);
   };
   if (turns && c == 1) named_arrive(turn_barrier(0), 2 * kThreads);
-  // Step `step`'s stage is full; stage `stage` is done with (by every thread of this consumer:
-  // with kPaired one arrival a warp on each CTA's barrier, after the warp's waits).
-  const auto wait_full = [&](int step, int stage) {  // (stage: step % kStages)
-    if constexpr (kPaired)
-      mbarrier_wait(pair.full + 8 * stage, uint32_t(step / P::kStages) & 1u);
-    else
-      named_sync(full_barrier(stage), kPipeThreads);
-  };
-  const auto release = [&](int stage) {
-    if constexpr (kPaired) {
-      __syncwarp();
-      if (lane == 0) {
-        mbarrier_arrive_cluster(pair.empty + 8 * stage);
-        mbarrier_arrive_cluster(pair.empty + 8 * stage + pair.other);
-      }
-    } else {
-      named_arrive(empty_barrier(stage), kPipeThreads);
-    }
-  };
   const int rows_here = rows_of(c);
   const int warp = t >> 5, g = lane >> 2, qd = lane & 3;
   const float k_scale = p.k_scale[p.k_scale_stacked ? member : 0];
@@ -339,7 +250,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     ldmatrix_x4(qf[k], my_q + (warp * 16 + (lane & 15)) * R::kStride + 16 * k + (lane >> 4) * 8);
   const WarpRows rows = warp_rows(my_end, my_scale, warp * 16, rows_here, true, lane);
   // q is in registers: its shared memory, in the last stage, may be written (PipeShape).
-  if (P::kQInStage) release(P::kStages - 1);
+  if (P::kQInStage) named_arrive(empty_barrier(P::kStages - 1), kPipeThreads);
 
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   // O's accumulators and, as one more tile of the same layout, the rows' sums of P: P times a
@@ -412,7 +323,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const int my_steps = own_end > begin ? (own_end - begin + kStep - 1) / kStep : 0;
   if (my_steps > 0) {
     float alpha[2];
-    wait_full(0, 0);
+    named_sync(full_barrier(0), kPipeThreads);
     take_turn();
     issue_scores(0);
     pass_turn(0);
@@ -428,7 +339,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         const int step = round + j;
         if (step >= my_steps) break;
         const int stage = j % P::kStages, before = j - 1;
-        wait_full(step, stage);
+        named_sync(full_barrier(stage), kPipeThreads);
         take_turn();
         issue_scores(stage);
         issue_values(before);
@@ -436,21 +347,21 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         wgmma_wait<1>();
         softmax(step, alpha);
         wgmma_wait<0>();
-        release(before);
+        named_arrive(empty_barrier(before), kPipeThreads);
         rescale_and_pack(alpha);
       }
     }
     const int last = (my_steps - 1) % P::kStages;
     issue_values(last);
     wgmma_wait<0>();
-    release(last);
+    named_arrive(empty_barrier(last), kPipeThreads);
     wgmma_fence_operands(reinterpret_cast<Accumulators&>(o));
   }
   for (int step = my_steps; step < num_steps; ++step) {
-    wait_full(step, step % P::kStages);
+    named_sync(full_barrier(step % P::kStages), kPipeThreads);
     take_turn();
     pass_turn(step);
-    release(step % P::kStages);
+    named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
   // Each thread writes its two rows' dims (8 t + the permuted dim, + 4), each row's sum its
@@ -478,7 +389,6 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         write_result(p, row, split, d, kHead, o[i][2 * h + k] / l[h], lse2, v_scale * 128.f);
       }
   }
-  if constexpr (kPaired) cluster_sync();
 #else
   __trap();  // launched only where the build has sm_90a code (PipelinedPrefillRuns)
 #endif
@@ -492,13 +402,10 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
 //   else or nothing in steps of 128 (2-3.5% faster on an H200 at every prefill point since
 //   v15's turns and v18's row sums; ragged v10, before them, was not);
 // - JAX_NVFP4_RAGGED_PINGPONG: 0 lets the consumers issue their products whenever their stage
-//   is full (ragged v9 to v14), anything else or nothing makes them take turns (v15);
-// - JAX_NVFP4_RAGGED_PAIRS: 0 runs every CTA alone, anything else or nothing runs steps of 128
-//   in pairs of CTAs sharing their stages (v21).
+//   is full (ragged v9 to v14), anything else or nothing makes them take turns (v15).
 struct PipelinedSwitches {
   int step;
   bool turns;
-  bool pairs;
 };
 
 const PipelinedSwitches& Switches() {
@@ -509,36 +416,31 @@ const PipelinedSwitches& Switches() {
     };
     const std::string_view step = value("JAX_NVFP4_RAGGED_PIPELINED");
     return PipelinedSwitches{step == "0" ? 0 : step == "64" ? 64 : 128,
-                             value("JAX_NVFP4_RAGGED_PINGPONG") != "0",
-                             value("JAX_NVFP4_RAGGED_PAIRS") != "0"};
+                             value("JAX_NVFP4_RAGGED_PINGPONG") != "0"};
   }();
   return switches;
 }
 
 // Whether the current GPU runs the pipelined prefill kernel in steps of kStep: an sm_90 device,
 // and the build's code for it the sm_90a kernel, whose register hand-over (setmaxnreg) needs
-// exactly the launch's 168 registers a thread; in pairs, a GPU that launches clusters: asked
-// once per device (attribute queries, allowed while XLA captures a command buffer).
-template <bool kSwizzle, Layout kLayout, int kStep, bool kPaired>
+// exactly the launch's 168 registers a thread: asked once per device (an attribute query,
+// allowed while XLA captures a command buffer).
+template <bool kSwizzle, Layout kLayout, int kStep>
 bool PipelinedPrefillRuns() {
   static std::atomic<uint64_t> asked{0}, runs{0};
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess || device >= 64) return false;
   const uint64_t bit = uint64_t(1) << device;
   if (!(asked.load(std::memory_order_acquire) & bit)) {
-    int major = 0, minor = 0, clusters = 0;
+    int major = 0, minor = 0;
     cudaFuncAttributes attributes{};
     const bool ok =
-        (!kPaired ||
-         (cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device) == cudaSuccess &&
-          clusters)) &&
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
             cudaSuccess &&
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) ==
             cudaSuccess &&
         major == 9 && minor == 0 &&
-        cudaFuncGetAttributes(&attributes,
-                              PipelinedPrefillKernel<kSwizzle, kLayout, kStep, kPaired>) ==
+        cudaFuncGetAttributes(&attributes, PipelinedPrefillKernel<kSwizzle, kLayout, kStep>) ==
             cudaSuccess &&
         attributes.numRegs * kPipeThreads ==
             kThreads * (kProducerRegisters + 2 * kConsumerRegisters);
@@ -549,14 +451,12 @@ bool PipelinedPrefillRuns() {
   return runs.load(std::memory_order_acquire) & bit;
 }
 
-template <bool kSwizzle, Layout kLayout, int kStep, bool kPaired>
+template <bool kSwizzle, Layout kLayout, int kStep>
 cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) {
   // A CTA per pair of tiles (slots past the last pair exit after the scan). A sequence it takes
   // has r > kPipelinedMinRows rows and ceil(r / 128) <= r / 128 + 1 pairs, so with R rows in all
   // and at most min(S, R / (kPipelinedMinRows + 1)) such sequences, R / 128 plus that count
-  // bounds the pairs (and with a max_q_len bound below them, nothing is launched). In pairs a
-  // cluster of two CTAs per two pairs: sum over the sequences of ceil(pairs / 2) <= (pairs in
-  // all + sequences) / 2.
+  // bounds the pairs (and with a max_q_len bound below them, nothing is launched).
   const int32_t group = p->num_q_heads / int32_t(p->page.num_kv_heads);
   const int64_t rows = int64_t(p->num_tokens) * group;
   const int64_t row_bound = p->max_q_len > 0 ? int64_t(p->max_q_len) * group : rows;
@@ -564,43 +464,25 @@ cudaError_t LaunchPipelinedPrefillKernel(cudaStream_t stream, RaggedProblem* p) 
   const int64_t pair_slots = long_seqs == 0 ? 0 : rows / (2 * kRows) + long_seqs;
   // (under few_rows_max, >= kPipelinedMinRows, every sequence is the few-row or decode kernel's)
   if (p->few_rows_only || row_bound <= p->few_rows_max || pair_slots == 0 ||
-      !PipelinedPrefillRuns<kSwizzle, kLayout, kStep, kPaired>())
+      !PipelinedPrefillRuns<kSwizzle, kLayout, kStep>())
     return cudaSuccess;
-  constexpr auto kKernel = PipelinedPrefillKernel<kSwizzle, kLayout, kStep, kPaired>;
   constexpr int kSmemBytes = PipeShape<kStep>::kSmemBytes;
-  const cudaError_t configured = ConfigureSharedMemory<kKernel>(kSmemBytes);
+  const cudaError_t configured =
+      ConfigureSharedMemory<PipelinedPrefillKernel<kSwizzle, kLayout, kStep>>(kSmemBytes);
   if (configured != cudaSuccess) return configured;
   p->pipelined = 1;
   const RaggedGrid grid{0, FastDivmod(uint32_t(p->page.num_kv_heads)),
                         FastDivmod(uint32_t(group)), FastDivmod(uint32_t(p->page.block_size))};
-  const int64_t unit_slots = kPaired ? (pair_slots + long_seqs + 1) / 2 : pair_slots;
-  const dim3 blocks(uint32_t(unit_slots * p->page.num_kv_heads), kPaired ? 2 : 1,
-                    uint32_t(p->stacked * p->num_splits));
-  const bool turns = Switches().turns;
-  if constexpr (kPaired) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = blocks;
-    config.blockDim = dim3(kPipeThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute cluster;
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = 1;
-    cluster.val.clusterDim.y = 2;  // the pair (PairBarriers)
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
-    const cudaError_t launched = cudaLaunchKernelEx(&config, kKernel, *p, grid, turns);
-    if (launched != cudaSuccess) cudaGetLastError();  // reported here, not by the next check
-    return launched;
-  }
-  kKernel<<<blocks, kPipeThreads, kSmemBytes, stream>>>(*p, grid, turns);
+  PipelinedPrefillKernel<kSwizzle, kLayout, kStep>
+      <<<dim3(uint32_t(pair_slots * p->page.num_kv_heads), 1,
+              uint32_t(p->stacked * p->num_splits)),
+         kPipeThreads, kSmemBytes, stream>>>(*p, grid, Switches().turns);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-bool WgmmaCodeRuns() { return PipelinedPrefillRuns<true, Layout::kHND, 64, false>(); }
+bool WgmmaCodeRuns() { return PipelinedPrefillRuns<true, Layout::kHND, 64>(); }
 
 cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p) {
   const int step = Switches().step;
@@ -608,10 +490,8 @@ cudaError_t LaunchPipelinedPrefill(cudaStream_t stream, RaggedProblem* p) {
   return WithPageOptions(p->page, [&](auto swizzle, auto layout) {
     constexpr bool kSwizzle = decltype(swizzle)::value;
     constexpr Layout kLayout = decltype(layout)::value;
-    if (step == 64) return LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 64, false>(stream, p);
-    return Switches().pairs && PipelinedPrefillRuns<kSwizzle, kLayout, 128, true>()
-               ? LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 128, true>(stream, p)
-               : LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 128, false>(stream, p);
+    return step == 128 ? LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 128>(stream, p)
+                       : LaunchPipelinedPrefillKernel<kSwizzle, kLayout, 64>(stream, p);
   });
 }
 

@@ -213,11 +213,8 @@ __device__ __forceinline__ void copy_vector(uint32_t code_dst, uint32_t scale_ds
 // copy_next(page), from step 0 on: a cursor keeps the next step's position, block-table entry
 // and row in the page, and moves them by kKv positions a step (kKv / block_size entries and
 // kKv % block_size rows, carried), where each step divided its position by the block size
-// twice (two FastDivmods) and formed the table entry's address anew (ragged v20). With kStride
-// > 1 the thread copies every kStride-th ring step of the positions from `begin` (a CTA of a
-// pipelined pair copies one of each step's two: ragged v21), so its step s is at begin + s x
-// kStride x kKv.
-template <int kHead, bool kSwizzle, Layout kLayout, int kSlots, int kStride = 1>
+// twice (two FastDivmods) and formed the table entry's address anew (ragged v20).
+template <int kHead, bool kSwizzle, Layout kLayout, int kSlots>
 struct TileCopies {
   using R = RaggedShape<kHead>;
   PageView<kLayout> pv;
@@ -238,8 +235,8 @@ struct TileCopies {
         code_dst(shared_address(ring) + uint32_t(staged.code_offset)),
         scale_dst(shared_address(ring) + uint32_t(staged.scale_offset + staged.scale_part)),
         begin(begin), end(end), vector(vector), side(side), part(part) {
-    entries_a_step = int32_t(pv.block_size.div(uint32_t(kStride * R::kKv)));
-    rows_a_step = kStride * R::kKv - entries_a_step * int32_t(pv.block_size.divisor);
+    entries_a_step = int32_t(pv.block_size.div(uint32_t(R::kKv)));
+    rows_a_step = R::kKv - entries_a_step * int32_t(pv.block_size.divisor);
     position = uint32_t(begin + vector);
     uint32_t r;
     entry = int32_t(pv.block_size.divmod(position, &r));
@@ -247,7 +244,7 @@ struct TileCopies {
   }
   // The position of ring step `s` (the conversion's: position_of(s) < end is a live row).
   __device__ __forceinline__ uint32_t position_of(int s) const {
-    return uint32_t(begin + s * (kStride * R::kKv) + vector);
+    return uint32_t(begin + s * R::kKv + vector);
   }
   // The page of the cursor's step (0 where its row group starts at or past end: not read).
   __device__ __forceinline__ int32_t next_page() const {
@@ -258,7 +255,7 @@ struct TileCopies {
     copy_vector<kHead, kSwizzle>(code_dst + slot, scale_dst + slot, pv, page, position, end,
                                  uint32_t(row), side, part);
     slot = slot == (kSlots - 1) * R::kRawStageBytes ? 0 : slot + R::kRawStageBytes;
-    position += kStride * R::kKv;
+    position += R::kKv;
     entry += entries_a_step;
     row += rows_a_step;
     if (row >= int32_t(pv.block_size.divisor)) {
@@ -272,16 +269,11 @@ struct TileCopies {
 // dims per 16-byte store; a position past end is zeros (its staged scale may be a junk row's).
 // `position` is the row in side_buffer (kv_chunk, blocks of kBlockBytes), the staged vector's
 // position plus a multiple of 64 (so position % 4 is still its place in its scales' row group).
-// With kMirror every store goes also, asynchronously, to the same bytes `mirror` further in the
-// cluster's window (the other CTA of a pipelined pair: ragged v21), completing on its mbarrier
-// at shared::cluster address `mirror_barrier`.
-template <int kHead, bool kSwizzle, int kBlockBytes = RaggedShape<kHead>::kBlockBytes,
-          bool kMirror = false>
+template <int kHead, bool kSwizzle, int kBlockBytes = RaggedShape<kHead>::kBlockBytes>
 __device__ __forceinline__ void convert_vector(const uint8_t* stage,
                                                const StageSlot<kHead>& slot, int side,
                                                int position, int part, bool valid,
-                                               uint8_t* side_buffer, uint32_t mirror = 0,
-                                               uint32_t mirror_barrier = 0) {
+                                               uint8_t* side_buffer) {
   using R = RaggedShape<kHead>;
   const int chunk0 = part * R::kThreadDims / 8;
   // The 16 bytes of dims [8 c, 8 c + 8) (kv_chunk): the row's first byte is 128-byte aligned
@@ -293,9 +285,7 @@ __device__ __forceinline__ void convert_vector(const uint8_t* stage,
       shared_address(side_buffer) + uint32_t(kv_chunk<kHead, kBlockBytes>(position, 0));
   const auto store = [&](int w, uint4 v) {
     const int c = chunk0 + w;
-    const uint32_t at = (row ^ uint32_t((c & 7) << 4)) + uint32_t((c >> 3) * kBlockBytes);
-    store_shared(at, v);
-    if constexpr (kMirror) store_async_to_cluster(at + mirror, v, mirror_barrier);
+    store_shared(((row ^ uint32_t((c & 7) << 4)) + uint32_t((c >> 3) * kBlockBytes)), v);
   };
   if (!valid) {
 #pragma unroll
