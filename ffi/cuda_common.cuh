@@ -116,6 +116,13 @@ template <int kBytes>
 __device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
   copy_async_to<kBytes>(uint32_t(__cvta_generic_to_shared(dst)), src, valid);
 }
+// A 16-byte store to a shared-memory address (like copy_async_to's destination: addresses
+// worked out as 32-bit shared addresses, e.g. with XOR swizzles, which a generic pointer would
+// turn into a generic store).
+__device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w) : "memory");
+}
 __device__ __forceinline__ void copy_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

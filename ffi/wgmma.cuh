@@ -123,13 +123,6 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// A 16-byte store to a shared-memory address (for addresses worked out as 32-bit shared
-// addresses, e.g. with XOR swizzles, which a generic pointer would turn into a generic store).
-__device__ __forceinline__ void store_shared(uint32_t address, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w) : "memory");
-}
-
 // Keeps registers that an asynchronous wgmma reads (its A fragments) alive and unchanged until
 // this point (after its wait): an empty asm that "modifies" them (no instruction).
 template <int N>
