@@ -8,9 +8,11 @@
 // an upper bound of slots (ceil(T * group / 64) + min(S, T)) times the kv heads, the kv head
 // varying fastest; each CTA finds its sequence and tile from cu_q_lens with a warp scan (the
 // sequence layout is a device value: no host plan), and slots past the last tile exit. A
-// further ceil(T / 64) slots write zeros for the tokens no sequence owns. The rules (which
-// tokens a sequence owns, which positions a query sees) are those of
-// jax_nvfp4.reference.ragged_token_plan.
+// further ceil(T / 64) slots write zeros for the tokens no sequence owns. Where the other
+// kernels take every sequence (RaggedTilesIdle) the kernel is not launched and the few-row
+// kernel's grid writes those zeros. The rules (which tokens a sequence owns, which positions a
+// query sees) are those of jax_nvfp4.reference.ragged_token_plan; every kernel of the call
+// applies the readers' invalid-scale rule itself (member_scales_valid).
 //
 // Per step the CTA converts kKv positions of K and V (the pages of this kv head) from FP4 codes
 // to fp16 in shared memory, once for every query row of the tile, exactly (attention_device.cuh;
@@ -81,8 +83,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
   const int64_t member_rows = cta.member_rows;
 
   if (slot >= grid.tile_slots) {  // a fill slot: zeros for the tokens nobody owns
-    zero_unowned_tokens<kHead, kThreads>(p, cu, ns, group, kv_head, member_rows, split,
-                                         slot - grid.tile_slots, lane);
+    zero_unowned_tokens<kHead, kThreads>(p, cta, slot - grid.tile_slots, lane);
     return;
   }
 
@@ -115,7 +116,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 CTAs/SM: shared memory allo
         write_empty(p, q_row_of(r), split, 0, kHead);
     return;
   }
-  if (exceeds_max_q_len(p, work.q_len)) {
+  // A sequence over max_q_len, or the member's global scales invalid: NaN rows.
+  if (exceeds_max_q_len(p, work.q_len) || !member_scales_valid(p, member)) {
     for (int i = threadIdx.x; i < rows_here * kHead; i += kThreads)
       write_nan(p, q_row_of(i / kHead), split, i % kHead, kHead);
     return;
@@ -397,6 +399,20 @@ int64_t FillSlots(const RaggedProblem& p) {
   return (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens;
 }
 
+// Whether every tile of the ragged kernel would be skipped, so that it is not launched and the
+// few-row kernels' grid takes its fill slots (p.few_rows_fill): the pipelined kernel runs (head
+// size 128, an sm_90 GPU and sm_90a code: it set p.pipelined) and takes every sequence of more
+// than kPipelinedMinRows rows (those over max_q_len too: it writes their NaN rows), the few-row
+// kernel those of 2 tokens up to its few_rows_max >= kPipelinedMinRows rows, the decode kernel
+// those of one; and there is one split (with several, the ragged kernel writes the one-token
+// rows' empty partial results, which the merge reads before the decode kernel's rows replace
+// them). Launched empty it cost 6 to 38 us a call on an H100 (chunk 2048 to prefix 16 x 1024:
+// thousands of 64-row tile slots at two CTAs a SM; benchmarks/NOTES.md, ragged v23).
+bool RaggedTilesIdle(const RaggedProblem& p) {
+  return p.pipelined && p.num_splits == 1 && p.decode_splits > 0 &&
+         p.page.head_size <= kFewRowsMaxHead && p.few_rows_max >= kPipelinedMinRows;
+}
+
 // More than 48 KB of dynamic shared memory, and all of L1 as shared memory (two CTAs of ~100 KB
 // per SM).
 template <int kHead, bool kSwizzle, Layout kLayout>
@@ -421,7 +437,10 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& caller_problem) {
                         FastDivmod(uint32_t(p.page.block_size))};
   const dim3 blocks(uint32_t((TileSlots(p) + FillSlots(p)) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
-  if (!p.few_rows_only) {  // (alone, the few-row kernel takes every sequence and the fill)
+  // Alone, the few-row kernel takes every sequence and the fill; with the ragged kernel's tiles
+  // idle, the fill.
+  p.few_rows_fill = p.few_rows_only || RaggedTilesIdle(p);
+  if (!p.few_rows_fill) {
     kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
     error = cudaGetLastError();
   }

@@ -138,6 +138,16 @@ __device__ __forceinline__ void write_nan(const RaggedProblem& p, int64_t row, i
   }
 }
 
+// The readers' rule for an invalid global scale (jax_nvfp4.checks.nan_if_invalid), which the
+// kernels of a ragged call apply themselves (no select over the output after them): where
+// member's k_scale or v_scale is outside [kMinScale, kMaxScale] or NaN, every row a CTA owes
+// is write_nan's (with split-KV a NaN partial lse, which the merge makes a NaN row), the
+// unowned tokens' too; the decode kernel does the same for the one-token sequences.
+__device__ __forceinline__ bool member_scales_valid(const RaggedProblem& p, int32_t member) {
+  return scale_is_valid(p.k_scale[p.k_scale_stacked ? member : 0]) &&
+         scale_is_valid(p.v_scale[p.v_scale_stacked ? member : 0]);
+}
+
 // A sequence's positions in one split of a ragged call (every kernel's): what query token j sees
 // (causal, up to its own position, inside the block table) and the split's share of the table.
 struct SplitRange {
@@ -249,16 +259,17 @@ __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int3
 constexpr int32_t kFillTokens = 64;
 
 // Fill slot `fill` of a CTA of kThreads threads: empty results (write_empty) for the rows of
-// kv head `kv_head` of the tokens [64 fill, 64 fill + 64) that no sequence owns, those before
-// start_0 and those from start_ns on. Only these are visited: a loop over all 64 tokens' rows
-// cost ~22 us per call on an H200 where every token is owned (speculative decoding).
+// the CTA's kv head of the tokens [64 fill, 64 fill + 64) that no sequence owns, those before
+// start_0 and those from start_ns on (NaN rows where the member's global scales are invalid:
+// member_scales_valid). Only these are visited: a loop over all 64 tokens' rows cost ~22 us
+// per call on an H200 where every token is owned (speculative decoding).
 template <int kHead, int kThreads>
-__device__ __forceinline__ void zero_unowned_tokens(const RaggedProblem& p, const int32_t* cu,
-                                                    int32_t ns, int32_t group, int32_t kv_head,
-                                                    int64_t member_rows, int split, int32_t fill,
-                                                    int lane) {
+__device__ __forceinline__ void zero_unowned_tokens(const RaggedProblem& p, const RaggedCta& cta,
+                                                    int32_t fill, int lane) {
   int32_t first, last;
-  owned_tokens(cu, ns, p.num_tokens, lane, &first, &last);
+  owned_tokens(cta.cu, cta.ns, p.num_tokens, lane, &first, &last);
+  const bool valid = member_scales_valid(p, cta.member);
+  const int32_t group = cta.group;
   const int32_t t0 = fill * kFillTokens, t_end = min(t0 + kFillTokens, p.num_tokens);
   for (int part = 0; part < 2; ++part) {
     const int32_t lo = part == 0 ? t0 : max(max(last, first), t0);
@@ -267,8 +278,12 @@ __device__ __forceinline__ void zero_unowned_tokens(const RaggedProblem& p, cons
     for (int32_t i = threadIdx.x; i < count * kHead; i += kThreads) {
       const int32_t r = i / kHead, d = i % kHead;
       const int32_t t = lo + r / group;
-      const int64_t row = member_rows + int64_t(t) * p.num_q_heads + kv_head * group + r % group;
-      write_empty(p, row, split, d, kHead);
+      const int64_t row =
+          cta.member_rows + int64_t(t) * p.num_q_heads + cta.kv_head * group + r % group;
+      if (valid)
+        write_empty(p, row, cta.split, d, kHead);
+      else
+        write_nan(p, row, cta.split, d, kHead);
     }
   }
 }

@@ -133,21 +133,21 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
 }
 
 // What a CTA of either few-row kernel does before it attends. Block x past the sequences' (only
-// in the grid of the kernel that serves the call alone) is a fill slot: zeros for the tokens
-// nobody owns. A sequence over max_q_len gets NaN rows: among those the kernels take, and
-// alone (the kernel then owes every sequence its rows, and the handler checked that
-// max_q_len's fit) any they cannot take; by the kernel that `owes` them (the one that also
-// takes the sequences of up to kFewRows rows). Returns whether the CTA attends for sequence
-// cta.slot, whose tokens are [*start, *start + *q_len).
+// in a grid with p.few_rows_fill: the kernel serves the call alone, or the ragged kernel is not
+// launched) is a fill slot: zeros for the tokens nobody owns. A sequence over max_q_len gets
+// NaN rows: among those the kernels take, and alone (the kernel then owes every sequence its
+// rows, and the handler checked that max_q_len's fit) any they cannot take; so does every
+// sequence the kernels take where the member's global scales are invalid
+// (member_scales_valid); by the kernel that `owes` them (the one that also takes the sequences
+// of up to kFewRows rows). Returns whether the CTA attends for sequence cta.slot, whose tokens
+// are [*start, *start + *q_len).
 template <int kHead>
 __device__ __forceinline__ bool few_rows_sequence(const RaggedProblem& p, const RaggedCta& cta,
                                                   bool owes, int32_t* start, int32_t* q_len) {
   const int lane = threadIdx.x & 31;
   if (cta.slot >= p.max_num_seqs) {
     if (owes)
-      zero_unowned_tokens<kHead, kThreads>(p, cta.cu, cta.ns, cta.group, cta.kv_head,
-                                           cta.member_rows, cta.split,
-                                           cta.slot - p.max_num_seqs, lane);
+      zero_unowned_tokens<kHead, kThreads>(p, cta, cta.slot - p.max_num_seqs, lane);
     return false;
   }
   if (cta.slot >= cta.ns) return false;
@@ -155,7 +155,8 @@ __device__ __forceinline__ bool few_rows_sequence(const RaggedProblem& p, const 
   sequence_tokens(cta.cu, cta.slot, p.num_tokens, lane, start, &next);
   *q_len = next - *start;
   const bool taken = takes_few_rows(p, *q_len, cta.group, kHead);
-  if (taken ? exceeds_max_q_len(p, *q_len) : p.few_rows_only && *q_len > 0) {
+  if (taken ? exceeds_max_q_len(p, *q_len) || !member_scales_valid(p, cta.member)
+            : p.few_rows_only && *q_len > 0) {
     if (owes) {
       for (int32_t i = threadIdx.x; i < *q_len * cta.group * kHead; i += kThreads) {
         const int32_t r = i / kHead;
@@ -244,10 +245,10 @@ cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
   const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
-  // Both kernels' grid: a CTA per (sequence, kv head); alone, also the fill slots of the
-  // ragged kernel's grid.
-  const int64_t fill = p.few_rows_only ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens
-                                       : 0;
+  // Both kernels' grid: a CTA per (sequence, kv head); with p.few_rows_fill (alone, or the
+  // ragged kernel not launched), also the fill slots of the ragged kernel's grid.
+  const int64_t fill =
+      p.few_rows_fill ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens : 0;
   const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   if (blocks.x == 0) return cudaSuccess;
@@ -294,7 +295,7 @@ int FewRowsMaxRows(int head_size) {
 }
 
 cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
-  if (p.max_num_seqs == 0 && !p.few_rows_only) return cudaSuccess;
+  if (p.max_num_seqs == 0 && !p.few_rows_fill) return cudaSuccess;
   return WithHeadSize(
       p.page.head_size,
       [&](auto head) {

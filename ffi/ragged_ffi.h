@@ -75,6 +75,10 @@ struct RaggedProblem : AttentionOperands {  // q's rows are tokens: [L, T, Hq, D
   // Set by the handler: the most query rows per kv head the few-row kernel takes on this GPU
   // (FewRowsMaxRows: kFewRows, or kFewRowsWide at head size 128 with sm_90a code).
   int32_t few_rows_max = kFewRows;
+  // Set by the launch: 1 when the few-row kernels' grid also has the fill slots (zeros for the
+  // tokens no sequence owns): they serve the call alone, or the ragged kernel, with no tile to
+  // do, is not launched (ragged_cuda.cu, RaggedTilesIdle).
+  int32_t few_rows_fill = 0;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {

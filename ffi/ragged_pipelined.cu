@@ -141,6 +141,13 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     return member_rows + int64_t(work.start + int32_t(j)) * p.num_q_heads + kv_head * group +
            int32_t(qh);
   };
+  // A sequence over max_q_len, or the member's global scales invalid: NaN rows.
+  if (exceeds_max_q_len(p, work.q_len) || !member_scales_valid(p, member)) {
+    if (wg > 0)
+      for (int i = t; i < rows_of(wg - 1) * kHead; i += kThreads)
+        write_nan(p, q_row_of(wg - 1, i / kHead), split, i % kHead, kHead);
+    return;
+  }
   if (begin >= last_end) {  // nothing to attend to in this split
     if (wg > 0)
       for (int i = t; i < rows_of(wg - 1) * kHead; i += kThreads)

@@ -557,14 +557,15 @@ constexpr int kPipelinedHead = 128;
 // the wide path the sequences of 17 to 32 rows (speculative decoding's 32 x 8) ran 8% faster
 // here than on the ragged kernel's mma.sync tiles (benchmarks/NOTES.md, ragged v10b).
 constexpr int32_t kPipelinedMinRows = kFewRows;
-// Whether the pipelined kernel takes a sequence of q_len query tokens.
+// Whether the pipelined kernel takes a sequence of q_len query tokens (one over max_q_len too:
+// it writes that sequence's NaN rows, so that the ragged kernel need not run for them).
 // (kHasWgmma: in code built without sm_90a the kernel is empty, so nothing may be skipped for it;
 // the launch also checks, PipelinedPrefillRuns.)
 __device__ __forceinline__ bool takes_pipelined(const RaggedProblem& p, int32_t q_len,
                                                 int32_t group) {
   return kHasWgmma && p.pipelined && q_len * group > kPipelinedMinRows &&
          !takes_few_rows(p, q_len, group, kPipelinedHead) &&
-         !(p.decode_splits > 0 && q_len == 1) && !exceeds_max_q_len(p, q_len);
+         !(p.decode_splits > 0 && q_len == 1);
 }
 
 }  // namespace

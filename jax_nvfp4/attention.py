@@ -444,8 +444,8 @@ def ragged_paged_attention(q, kv_cache, block_tables, seq_lens, cu_q_lens, num_s
                            geo.num_blocks, geo.block_size,
                            (("k_scale", k_scale), ("v_scale", v_scale)), "ragged_paged_attention",
                            max_q_len)
-    # The invalid-scale rule (checks.nan_if_invalid) is applied by the jnp path and after the
-    # ragged kernels' call (jax_nvfp4.ragged_primitive).
+    # The invalid-scale rule (checks.nan_if_invalid) is applied by the jnp path and by the
+    # ragged kernels themselves (ffi/ragged_device.cuh, member_scales_valid).
     if impl == "jnp":
         result = _reference.ragged_paged_attention(
             q, kv_cache, block_tables, seq_lens, cu_q_lens, num_seqs, k_scale, v_scale,

@@ -255,8 +255,8 @@ def nan_if_invalid(results, k_scale, v_scale):
     """The readers' rule for an invalid global scale: every output and lse NaN, empty
     sequences' included. ``results``: arrays whose first axis is the members' where the scales
     have one entry per member (shape ``(L,)``); a scalar or ``(1,)`` scale applies to every
-    row. The jnp readers apply it here, and so does the ragged reader's CUDA path after its
-    kernels; the decode kernel applies the rule itself. jit-compatible."""
+    row. The jnp readers apply it here; the decode and ragged kernels apply the rule
+    themselves. jit-compatible."""
     import jax.numpy as jnp
 
     valid = jnp.reshape(scale_is_valid(k_scale) & scale_is_valid(v_scale), (-1,))
