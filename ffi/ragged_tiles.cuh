@@ -360,16 +360,30 @@ __device__ __forceinline__ PageView<kLayout> tile_page_view(const RaggedProblem&
 // memory, by the two threads of the row (adjacent lanes, half 0 and 1): fp16 after the row's
 // power-of-two scale, head dims permuted like the converted K, and the sign of the score scale
 // qk_scale (k_scale x sm_scale) moved in (exact in fp16), so that each row's scale is >= 0 (or
-// NaN) and the loops' unmasked steps can take the max of the unscaled scores. Two passes over
-// the half (the second from L1): its amax, then the values. Returns the row's exponent.
+// NaN) and the loops' unmasked steps can take the max of the unscaled scores. The half's amax,
+// then its values. Up to head size 128 the values stay in registers between the two (one round
+// trip of loads, all issued together: a CTA's prologue waits for it; ragged v24); at 256 a
+// second pass reads them again. Returns the row's exponent.
 template <int kHead>
 __device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_row, int half,
                                             float qk_scale, uint16_t* dst) {
   constexpr int kDims = kHead / 2;
+  constexpr bool kHeld = kDims <= 64;
   const bool valid = q_row >= 0;
   const int64_t q_at = (valid ? q_row : 0) * kHead + half * kDims;
+  float held[kHeld ? kDims : 1];
   float amax = 0.f;
-  if (valid) {
+  if constexpr (kHeld) {
+#pragma unroll
+    for (int i = 0; i < kDims; i += 8) {
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (valid) load_q8(p.q, p.q_type, q_at + i, v);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) held[i + k] = v[k];
+    }
+#pragma unroll
+    for (int k = 0; k < kDims; ++k) amax = fmaxf(amax, fabsf(held[k]));
+  } else if (valid) {
 #pragma unroll 4
     for (int i = 0; i < kDims; i += 8) {
       float v[8];
@@ -385,7 +399,12 @@ __device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_ro
 #pragma unroll 4
   for (int i = 0; i < kDims; i += 8) {
     float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if (valid) load_q8(p.q, p.q_type, q_at + i, v);
+    if constexpr (kHeld) {
+#pragma unroll
+      for (int k = 0; k < 8; ++k) v[k] = held[i + k];
+    } else if (valid) {
+      load_q8(p.q, p.q_type, q_at + i, v);
+    }
     *reinterpret_cast<uint4*>(dst + i) = make_uint4(
         pack_f16x2(times(v[0]), times(v[4])), pack_f16x2(times(v[2]), times(v[6])),
         pack_f16x2(times(v[1]), times(v[5])), pack_f16x2(times(v[3]), times(v[7])));
