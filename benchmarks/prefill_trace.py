@@ -1,0 +1,141 @@
+"""Per-CTA timeline of the pipelined prefill kernel (developers' tool; needs the prefill_trace
+variant's build, benchmarks/variants/prefill_trace.patch, which adds _ffi._prefill_trace_take).
+
+For one ragged call at each prefill_bench point it reads, per CTA of the pipelined kernel, the
+global timer (ns, comparable across SMs) at its events (ffi/ragged_pipelined.cu with the patch:
+kEntry ... kOut1) and prints percentiles of the intervals between them: the prologue (CTA start
+to the unit found, the first stage handed over by the producer, consumer 0's q staged and ready,
+the first stage taken), the loop (per step), the epilogue (loop done, both consumers synced, the
+tile staged, the rows written), and per SM the gaps between consecutive CTAs and the SMs' busy
+fraction of the call. It answers where a CTA's fixed costs go, against its steps (benchmarks/
+NOTES.md, ragged v24: ~12 us of prologue and ~12 us of epilogue a CTA on an H100).
+
+    benchmarks/ab.sh --patch benchmarks/variants/prefill_trace.patch --a none --rounds 1 -- \\
+        python3 -P benchmarks/prefill_trace.py --points chunked8x512,chunked1x2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import prefill_bench as pb  # noqa: E402  (this folder: the points and their inputs)
+from jax_nvfp4 import _ffi  # noqa: E402
+
+# The variant's layout: per CTA WORDS uint64: EVENTS global-timer ns (0: not reached), the SM,
+# blockIdx.x, the CTA's step count.
+TRACE_CTAS, EVENTS = 16384, 12
+WORDS = EVENTS + 3
+(ENTRY, FOUND, FIRST_STAGE, Q_STAGED, Q_READY, FIRST_FULL, PRODUCER_DONE, LOOP_DONE,
+ EPILOGUE_SYNCED, TILE_STAGED, OUT0, OUT1) = range(EVENTS)
+SM, BLOCK, STEPS = EVENTS, EVENTS + 1, EVENTS + 2
+
+#: (label, from event, to event) of the intervals printed, in a CTA's order.
+INTERVALS = (
+    ("start -> unit found", ENTRY, FOUND),
+    ("start -> first stage handed over (producer)", ENTRY, FIRST_STAGE),
+    ("start -> q staged (consumer 0)", ENTRY, Q_STAGED),
+    ("start -> q ready (consumer 0)", ENTRY, Q_READY),
+    ("start -> first stage taken (consumer 0)", ENTRY, FIRST_FULL),
+    ("first stage taken -> loop done", FIRST_FULL, LOOP_DONE),
+    ("producer done -> loop done", PRODUCER_DONE, LOOP_DONE),
+    ("loop done -> consumers synced", LOOP_DONE, EPILOGUE_SYNCED),
+    ("consumers synced -> tile staged", EPILOGUE_SYNCED, TILE_STAGED),
+    ("tile staged -> rows written (consumer 0)", TILE_STAGED, OUT0),
+    ("loop done -> rows written (consumer 0)", LOOP_DONE, OUT0),
+)
+
+
+def take():
+    raw = _ffi._prefill_trace_take(TRACE_CTAS * WORDS * 8)
+    if len(raw) != TRACE_CTAS * WORDS * 8:
+        raise RuntimeError("the trace could not be read (a CUDA error)")
+    return np.frombuffer(raw, np.uint64).reshape(TRACE_CTAS, WORDS).astype(np.int64)
+
+
+def spread(x):
+    """p10 / p50 / p90 / mean of x (us)."""
+    x = np.asarray(x, float)
+    if x.size == 0:
+        return "-"
+    p10, p50, p90 = np.percentile(x, (10, 50, 90))
+    return f"p10 {p10:8.2f}  p50 {p50:8.2f}  p90 {p90:8.2f}  mean {x.mean():8.2f}"
+
+
+def end_of(t):
+    """Each CTA's end: its last consumer's rows written, else its start (an early return)."""
+    end = np.maximum(t[:, OUT0], t[:, OUT1])
+    return np.where(end == 0, t[:, ENTRY], end)
+
+
+def describe(t):
+    """Prints the summary of one launch's trace rows (the CTAs that started)."""
+    start0 = t[:, ENTRY].min()
+    ends = end_of(t)
+    span = ends.max() - start0
+    work = t[:, LOOP_DONE] != 0
+    sms = np.unique(t[:, SM])
+    print(f"  {len(t)} CTAs ({int(work.sum())} with steps) on {len(sms)} SMs; first start to "
+          f"last end {span / 1e3:.1f} us")
+    w = t[work]
+    if len(w):
+        print(f"  steps a CTA: {spread(w[:, STEPS])}")
+        for label, a, b in INTERVALS:
+            ok = (w[:, a] != 0) & (w[:, b] != 0)
+            print(f"  {label:45s} {spread((w[ok, b] - w[ok, a]) / 1e3)} us")
+        per_step = (w[:, LOOP_DONE] - w[:, FIRST_FULL]) / np.maximum(w[:, STEPS], 1)
+        print(f"  {'per step (the loop over its steps)':45s} {spread(per_step / 1e3)} us")
+        life = (end_of(w) - w[:, ENTRY]) / 1e3
+        print(f"  {'start -> end':45s} {spread(life)} us")
+    gaps, busy = [], 0
+    for sm in sms:
+        rows = t[t[:, SM] == sm]
+        order = np.argsort(rows[:, ENTRY])
+        starts, stops = rows[order, ENTRY], end_of(rows[order])
+        busy += int((stops - starts).sum())
+        gaps.extend(((starts[1:] - stops[:-1]) / 1e3).tolist())
+    print(f"  {'gap between CTAs on an SM':45s} {spread(gaps)} us ({len(gaps)} gaps)")
+    print(f"  SMs busy: {busy / max(len(sms) * span, 1):.3f} of the SMs x the call")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--points", default="chunked8x512,chunked1x2048",
+                        help="prefill_bench points, comma-separated")
+    parser.add_argument("--launches", type=int, default=2, help="launches traced per point")
+    args = parser.parse_args(argv)
+    if not hasattr(_ffi, "_prefill_trace_take"):
+        print("prefill_trace: this build has no trace: build benchmarks/variants/"
+              "prefill_trace.patch (benchmarks/ab.sh builds it as B; run with PYTHONPATH at B)",
+              file=sys.stderr)
+        return 2
+    if jax.default_backend() != "gpu":
+        print("prefill_trace: needs a GPU (the trace is the CUDA pipelined kernel's)",
+              file=sys.stderr)
+        return 2
+    points = {p["name"]: p for p in pb.make_points(False)}
+    for name in args.points.split(","):
+        point = points[name]
+        inputs = pb.make_inputs(point, ["ragged"], 2, jax.random.PRNGKey(0))
+        qs, tables, lens, arrays = pb.method_args("ragged", dict(pb.sub_workloads(point))["ragged"],
+                                                  inputs)
+        attn = jax.jit(pb.ragged_attn)
+        for i in range(3):                     # compile, warm
+            jax.block_until_ready(attn(qs[i % 2], tables[i % 2], lens, arrays))
+        for launch in range(args.launches):
+            take()                             # clear what earlier launches left
+            jax.block_until_ready(attn(qs[launch % 2], tables[launch % 2], lens, arrays))
+            t = take()
+            print(f"{name}, launch {launch + 1}:")
+            describe(t[t[:, ENTRY] != 0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""benchmarks/prefill_trace.py without a GPU: its refusal on a build without the trace, and its
+summary of a made-up trace (the variant's word layout: per CTA the global-timer ns of each
+event, then the SM, blockIdx.x and the step count)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from scripts import ROOT, load_script
+
+trace = load_script("benchmarks/prefill_trace.py", "prefill_trace_script")
+
+
+def test_a_build_without_the_trace_exits_2_naming_the_variant():
+    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "prefill_trace.py")],
+                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert "prefill_trace.patch" in done.stderr, done.stderr
+
+
+def cta(start, sm, block, steps=100):
+    """A CTA of `steps` steps of 2 us from `start` (ns): found after 1 us, first stage handed
+    over at 5, q staged at 8 and ready at 9, first stage taken at 10, the producer done at 200,
+    the loop at 210, the consumers synced at 211, the tile staged at 213, consumer 0's rows
+    written at 216 (consumer 1's at 215)."""
+    row = np.zeros(trace.WORDS, np.int64)
+    at = {trace.ENTRY: 0, trace.FOUND: 1, trace.FIRST_STAGE: 5, trace.Q_STAGED: 8,
+          trace.Q_READY: 9, trace.FIRST_FULL: 10, trace.PRODUCER_DONE: 200,
+          trace.LOOP_DONE: 10 + 2 * steps, trace.EPILOGUE_SYNCED: 11 + 2 * steps,
+          trace.TILE_STAGED: 13 + 2 * steps, trace.OUT0: 16 + 2 * steps,
+          trace.OUT1: 15 + 2 * steps}
+    for event, us in at.items():
+        row[event] = start + 1000 * us
+    row[trace.SM], row[trace.BLOCK], row[trace.STEPS] = sm, block, steps
+    return row
+
+
+def test_the_summary_of_a_made_up_trace(capsys):
+    t0 = 1_000_000_000
+    early = np.zeros(trace.WORDS, np.int64)   # a CTA past the last pair: start and found only
+    early[trace.ENTRY], early[trace.FOUND], early[trace.SM] = t0 + 100, t0 + 400, 1
+    t = np.stack([cta(t0, 0, 0), cta(t0 + 216_500, 0, 2), early])
+    trace.describe(t)
+    out = capsys.readouterr().out
+    assert "3 CTAs (2 with steps) on 2 SMs; first start to last end 432.5 us" in out, out
+    assert "steps a CTA: p10   100.00  p50   100.00" in out, out
+    lines = {line.split("  p10")[0].strip(): line for line in out.splitlines() if "p50" in line}
+    assert "p50     1.00" in lines["start -> unit found"], out
+    assert "p50    10.00" in lines["start -> first stage taken (consumer 0)"], out
+    assert "p50   200.00" in lines["first stage taken -> loop done"], out
+    assert "p50     2.00" in lines["per step (the loop over its steps)"], out
+    assert "p50     6.00" in lines["loop done -> rows written (consumer 0)"], out
+    assert "p50   216.00" in lines["start -> end"], out
+    # SM 0: one gap of 0.5 us between its two CTAs; SM 1's early CTA is busy for no time.
+    assert "p50     0.50" in lines["gap between CTAs on an SM"] and "(1 gaps)" in out, out
+    assert "SMs busy: 0.499 of the SMs x the call" in out, out
