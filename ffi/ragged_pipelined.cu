@@ -389,6 +389,9 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   const QType tile_type = one_split ? p.q_type : QType::kF32;
   const int elem_bytes = tile_type == QType::kF32 ? 4 : 2;
   const int pitch = kHead + 16 / elem_bytes;  // elements; 16 bytes of padding: no bank conflict
+  // (consumer c's tile at c times the widest one: kRows rows of kHead + 4 floats)
+  static_assert(2 * kRows * (kHead + 4) * 4 <= P::kStages * P::kStageBytes,
+                "both consumers' output tiles fit the stages");
   uint8_t* const tile = smem + c * kRows * pitch * 4;
   const float out_scale = one_split ? p.v_scale[p.v_scale_stacked ? member : 0] * 128.f : 1.f;
   const int dim = permuted_dim_even(qd);
