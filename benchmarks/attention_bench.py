@@ -639,6 +639,20 @@ def _first_line(e):
     return text[0][:300] if text else type(e).__name__
 
 
+def trace_refusal(script, kernel):
+    """Why a developers' trace script (decode_trace, prefill_trace) cannot run here, or None:
+    the build lacks its variant's ``_ffi._<script>_take`` (benchmarks/variants/<script>.patch),
+    or there is no GPU (the trace is the CUDA ``kernel``'s)."""
+    from jax_nvfp4 import _ffi
+
+    if not hasattr(_ffi, f"_{script}_take"):
+        return (f"{script}: this build has no trace: build benchmarks/variants/{script}.patch "
+                "(benchmarks/ab.sh builds it as B; run with PYTHONPATH at B)")
+    if jax.default_backend() != "gpu":
+        return f"{script}: needs a GPU (the trace is the CUDA {kernel}'s)"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 
 

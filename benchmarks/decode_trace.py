@@ -116,14 +116,9 @@ def main(argv=None):
     parser.add_argument("--launches", type=int, default=3, help="launches traced per point")
     parser.add_argument("--verbose", action="store_true", help="one line per CTA")
     args = parser.parse_args(argv)
-    if not hasattr(_ffi, "_decode_trace_take"):
-        print("decode_trace: this build has no trace: build benchmarks/variants/"
-              "decode_trace.patch (benchmarks/ab.sh builds it as B; run with PYTHONPATH at B)",
-              file=sys.stderr)
-        return 2
-    if jax.default_backend() != "gpu":
-        print("decode_trace: needs a GPU (the trace is the CUDA decode kernel's)",
-              file=sys.stderr)
+    refusal = ab.trace_refusal("decode_trace", "decode kernel")
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
     for name in args.points.split(","):
         point = point_of(name)

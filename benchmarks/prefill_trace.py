@@ -110,14 +110,9 @@ def main(argv=None):
                         help="prefill_bench points, comma-separated")
     parser.add_argument("--launches", type=int, default=2, help="launches traced per point")
     args = parser.parse_args(argv)
-    if not hasattr(_ffi, "_prefill_trace_take"):
-        print("prefill_trace: this build has no trace: build benchmarks/variants/"
-              "prefill_trace.patch (benchmarks/ab.sh builds it as B; run with PYTHONPATH at B)",
-              file=sys.stderr)
-        return 2
-    if jax.default_backend() != "gpu":
-        print("prefill_trace: needs a GPU (the trace is the CUDA pipelined kernel's)",
-              file=sys.stderr)
+    refusal = pb.ab.trace_refusal("prefill_trace", "pipelined prefill kernel")
+    if refusal:
+        print(refusal, file=sys.stderr)
         return 2
     points = {p["name"]: p for p in pb.make_points(False)}
     for name in args.points.split(","):

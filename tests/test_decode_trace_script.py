@@ -1,6 +1,7 @@
-"""benchmarks/decode_trace.py without a GPU: its refusal on a build without the trace, and its
-reading of a made-up trace (the variant's word layout: per CTA the global-timer ns of each
-event, their clock64, the SM, blockIdx)."""
+"""benchmarks/decode_trace.py without a GPU: its refusal on a build without the trace (and
+prefill_trace.py's: the same helper, attention_bench.trace_refusal), and its reading of a
+made-up trace (the variant's word layout: per CTA the global-timer ns of each event, their
+clock64, the SM, blockIdx)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,21 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from scripts import ROOT, load_script
 
 trace = load_script("benchmarks/decode_trace.py", "decode_trace_script")
 
 
-def test_a_build_without_the_trace_exits_2_naming_the_variant():
-    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "decode_trace.py")],
+@pytest.mark.parametrize("script", ["decode_trace", "prefill_trace"])
+def test_a_build_without_the_trace_exits_2_naming_the_variant(script):
+    """Both trace scripts (attention_bench.trace_refusal): exit 2, naming their variant."""
+    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / f"{script}.py")],
                           cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
-    assert "decode_trace.patch" in done.stderr, done.stderr
+    assert f"{script}.patch" in done.stderr, done.stderr
 
 
 def made_up_trace():
