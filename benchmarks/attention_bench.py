@@ -653,6 +653,17 @@ def trace_refusal(script, kernel):
     return None
 
 
+def trace_take(script, ctas, words):
+    """A trace variant's buffer (``_ffi._<script>_take``: ctas x words uint64, cleared by the
+    read) as int64 [ctas, words]."""
+    from jax_nvfp4 import _ffi
+
+    raw = getattr(_ffi, f"_{script}_take")(ctas * words * 8)
+    if len(raw) != ctas * words * 8:
+        raise RuntimeError("the trace could not be read (a CUDA error)")
+    return np.frombuffer(raw, np.uint64).reshape(ctas, words).astype(np.int64)
+
+
 # ---------------------------------------------------------------------------------------------
 
 

@@ -24,7 +24,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import attention_bench as ab  # noqa: E402  (this folder: the decode grid's inputs)
-from jax_nvfp4 import _ffi  # noqa: E402
 
 # The variant's layout (ffi/decode_cuda.cu with decode_trace.patch): per CTA kTraceWords
 # uint64: kTraceEvents global-timer ns, kTraceEvents clock64, the SM, blockIdx (y << 32 | x).
@@ -35,10 +34,7 @@ ENTRY, CHUNKS, MERGED, SYNCED, END = 0, 1, 1 + WARPS, 2 + WARPS, 3 + WARPS
 
 
 def take():
-    raw = _ffi._decode_trace_take(TRACE_CTAS * WORDS * 8)
-    if len(raw) != TRACE_CTAS * WORDS * 8:
-        raise RuntimeError("the trace could not be read (a CUDA error)")
-    return np.frombuffer(raw, np.uint64).reshape(TRACE_CTAS, WORDS).astype(np.int64)
+    return ab.trace_take("decode_trace", TRACE_CTAS, WORDS)
 
 
 def point_of(name):

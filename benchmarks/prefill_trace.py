@@ -26,7 +26,6 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import prefill_bench as pb  # noqa: E402  (this folder: the points and their inputs)
-from jax_nvfp4 import _ffi  # noqa: E402
 
 # The variant's layout: per CTA WORDS uint64: EVENTS global-timer ns (0: not reached), the SM,
 # blockIdx.x, the CTA's step count.
@@ -53,10 +52,7 @@ INTERVALS = (
 
 
 def take():
-    raw = _ffi._prefill_trace_take(TRACE_CTAS * WORDS * 8)
-    if len(raw) != TRACE_CTAS * WORDS * 8:
-        raise RuntimeError("the trace could not be read (a CUDA error)")
-    return np.frombuffer(raw, np.uint64).reshape(TRACE_CTAS, WORDS).astype(np.int64)
+    return pb.ab.trace_take("prefill_trace", TRACE_CTAS, WORDS)
 
 
 def spread(x):
