@@ -91,9 +91,7 @@ __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipe
 // Consumer c's turn to issue its products (ragged v15): the consumers take turns, so that one's
 // softmax runs while the other's products do (FlashAttention-3's ping-pong).
 __device__ __forceinline__ int turn_barrier(int c) { return 4 + 2 * kMaxPipeStages + c; }
-// Both consumers past every stage: the stages hold the output tiles (ragged v24).
-constexpr int kEpilogueBarrier = 6 + 2 * kMaxPipeStages;
-static_assert(kEpilogueBarrier < 16, "16 named barriers a CTA");
+static_assert(4 + 2 * kMaxPipeStages + 1 < 16, "16 named barriers a CTA");
 
 template <bool kSwizzle, Layout kLayout, int kStep>
 __global__ void __launch_bounds__(kPipeThreads, 1)
@@ -373,58 +371,91 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
-  // The epilogue through shared memory (ragged v24): each thread puts its two rows' dims (8 i +
-  // the permuted dim, + 4) into its consumer's tile in the free stages, in the output's type
-  // (float32 for split-KV's partial results), then the consumer's threads write whole rows in
-  // 16-byte pieces. Written straight from the accumulators' layout, as 2-byte stores that each
-  // touch 8 rows, the epilogue took ~12 us a CTA (a per-CTA trace on an H100: 7% of a CTA's
-  // time at chunked 8 x 512 over 8192). Each row's sum is its column 2 qd of the sums tile; a
-  // row that saw nothing in this split gets the empty result (zeros, lse -inf).
-  // Both consumers are past every stage here (the producer converted the last one before its
-  // hand-over), so the stages are free for the tiles.
-  named_sync(kEpilogueBarrier, 2 * kThreads);
+  // The epilogue by quad shuffles (ragged v25): each row's 128 dims lie in
+  // the 4 lanes of a quad, lane qd holding dims pde(qd) and pde(qd) + 4 of every 8-dim group
+  // (pde = permuted_dim_even), so a 4 x 4 transpose of packed words inside the quad gives each
+  // lane whole groups (4m + qd, m = 0..3) and it writes them in 16-byte stores; no shared
+  // memory, no barrier (v24 staged the rows through the stages behind two barriers). One
+  // division a row (out_scale / l), then a product a value. Each row's sum is its column 2 qd
+  // of the sums tile; a row that saw nothing in this split gets the empty result (zeros, lse
+  // -inf). The shuffles run in every lane (full mask), rows past rows_here store nothing.
   l[0] = sums[0];
   l[1] = sums[2];
   const bool one_split = p.num_splits == 1;
-  const QType tile_type = one_split ? p.q_type : QType::kF32;
-  const int elem_bytes = tile_type == QType::kF32 ? 4 : 2;
-  const int pitch = kHead + 16 / elem_bytes;  // elements; 16 bytes of padding: no bank conflict
-  // (consumer c's tile at c times the widest one: kRows rows of kHead + 4 floats)
-  static_assert(2 * kRows * (kHead + 4) * 4 <= P::kStages * P::kStageBytes,
-                "both consumers' output tiles fit the stages");
-  uint8_t* const tile = smem + c * kRows * pitch * 4;
+  const bool wide_values = !one_split || p.q_type == QType::kF32;  // float32 out
   const float out_scale = one_split ? p.v_scale[p.v_scale_stacked ? member : 0] * 128.f : 1.f;
-  const int dim = permuted_dim_even(qd);
+  const bool low_bit = qd & 1, high_bit = qd & 2;
+  // a[j]: this lane's word of group 4m + j -> lane j's word of group 4m + qd.
+  const auto quad_transpose = [&](uint32_t(&a)[4]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t got = __shfl_xor_sync(kFullMask, high_bit ? a[j] : a[j + 2], 2);
+      a[j] = high_bit ? got : a[j];
+      a[j + 2] = high_bit ? a[j + 2] : got;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j += 2) {
+      const uint32_t got = __shfl_xor_sync(kFullMask, low_bit ? a[j] : a[j + 1], 1);
+      a[j] = low_bit ? got : a[j];
+      a[j + 1] = low_bit ? a[j + 1] : got;
+    }
+  };
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = warp * 16 + g + 8 * h;
-    if (r >= rows_here) continue;
+    const bool here = r < rows_here;
     const bool empty = m[h] == -INFINITY && !isnan(l[h]);
     const float lse2 = m[h] + __log2f(l[h]);
-    if (qd == 0) {
-      const int64_t row = member_rows + my_q_row[r];
+    const int64_t row = member_rows + (here ? my_q_row[r] : 0);
+    if (here && qd == 0) {
       if (one_split)
         p.lse[row] = empty ? -INFINITY : lse2 * kLn2;
       else
         p.partial_lse[row * p.num_splits + split] = empty ? -INFINITY : lse2;
     }
+    const float factor = out_scale / l[h];
+    const auto value = [&](int i, int k) { return empty ? 0.f : o[i][2 * h + k] * factor; };
+    if (wide_values) {
+      float* const to = one_split ? static_cast<float*>(p.out) + row * kHead
+                                  : p.partial_out + (row * p.num_splits + split) * kHead;
 #pragma unroll
-    for (int i = 0; i < R::kOTiles; ++i)
+      for (int mq = 0; mq < R::kOTiles / 4; ++mq) {
+        uint32_t lo[4], hi[4];  // dims pde(j) and pde(j) + 4 of group 4 mq + j
 #pragma unroll
-      for (int k = 0; k < 2; ++k)
-        store_out(tile, tile_type, r * pitch + 8 * i + dim + 4 * k,
-                  empty ? 0.f : o[i][2 * h + k] / l[h] * out_scale);
-  }
-  named_sync(consumer_barrier(c), kThreads);
-  const int pieces = kHead * elem_bytes / 16;  // of a row
-  for (int i = t; i < rows_here * pieces; i += kThreads) {
-    const int r = i / pieces, piece = i % pieces;
-    const int64_t row = member_rows + my_q_row[r];
-    uint8_t* const to =
-        one_split ? static_cast<uint8_t*>(p.out) + row * kHead * elem_bytes
-                  : reinterpret_cast<uint8_t*>(p.partial_out + (row * p.num_splits + split) * kHead);
-    reinterpret_cast<uint4*>(to)[piece] =
-        *reinterpret_cast<const uint4*>(tile + (r * pitch * elem_bytes + 16 * piece));
+        for (int j = 0; j < 4; ++j)
+          lo[j] = __float_as_uint(value(4 * mq + j, 0)), hi[j] = __float_as_uint(value(4 * mq + j, 1));
+        quad_transpose(lo);
+        quad_transpose(hi);
+        // lane j's words hold dims pde(j) (lo) and + 4 (hi): pde = 0, 2, 1, 3
+        if (here) {
+          uint4* const at = reinterpret_cast<uint4*>(to + 8 * (4 * mq + qd));
+          at[0] = make_uint4(lo[0], lo[2], lo[1], lo[3]);
+          at[1] = make_uint4(hi[0], hi[2], hi[1], hi[3]);
+        }
+      }
+    } else {
+      const bool bf16 = p.q_type == QType::kBF16;
+      uint8_t* const to = static_cast<uint8_t*>(p.out) + row * kHead * 2;
+#pragma unroll
+      for (int mq = 0; mq < R::kOTiles / 4; ++mq) {
+        uint32_t a[4];  // (dim pde(j), dim pde(j) + 4) of group 4 mq + j, low half first
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float x = value(4 * mq + j, 0), y = value(4 * mq + j, 1);
+          if (bf16) {
+            const __nv_bfloat162 b = __floats2bfloat162_rn(x, y);
+            a[j] = *reinterpret_cast<const uint32_t*>(&b);
+          } else {
+            a[j] = pack_f16x2(x, y);
+          }
+        }
+        quad_transpose(a);
+        if (here)
+          *reinterpret_cast<uint4*>(to + 16 * (4 * mq + qd)) =
+              make_uint4(prmt(a[0], a[2], 0x5410), prmt(a[1], a[3], 0x5410),
+                         prmt(a[0], a[2], 0x7632), prmt(a[1], a[3], 0x7632));
+      }
+    }
   }
 #else
   __trap();  // launched only where the build has sm_90a code (PipelinedPrefillRuns)
