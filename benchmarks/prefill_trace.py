@@ -5,8 +5,9 @@ For one ragged call at each prefill_bench point it reads, per CTA of the pipelin
 global timer (ns, comparable across SMs) at its events (ffi/ragged_pipelined.cu with the patch:
 kEntry ... kOut1) and prints percentiles of the intervals between them: the prologue (CTA start
 to the unit found, the first stage handed over by the producer, consumer 0's q staged and ready,
-the first stage taken), the loop (per step), the epilogue (loop done, both consumers synced, the
-tile staged, the rows written), and per SM the gaps between consecutive CTAs and the SMs' busy
+the first stage taken), the loop (per step), the epilogue (loop done to the rows written; since
+ragged v25 it has no barrier: v24's trace had two more events, the consumers synced and the tile
+staged in shared memory), and per SM the gaps between consecutive CTAs and the SMs' busy
 fraction of the call. It answers where a CTA's fixed costs go, against its steps (benchmarks/
 NOTES.md, ragged v24: ~12 us of prologue and ~12 us of epilogue a CTA on an H100).
 
@@ -29,10 +30,10 @@ import prefill_bench as pb  # noqa: E402  (this folder: the points and their inp
 
 # The variant's layout: per CTA WORDS uint64: EVENTS global-timer ns (0: not reached), the SM,
 # blockIdx.x, the CTA's step count.
-TRACE_CTAS, EVENTS = 16384, 12
+TRACE_CTAS, EVENTS = 16384, 10
 WORDS = EVENTS + 3
-(ENTRY, FOUND, FIRST_STAGE, Q_STAGED, Q_READY, FIRST_FULL, PRODUCER_DONE, LOOP_DONE,
- EPILOGUE_SYNCED, TILE_STAGED, OUT0, OUT1) = range(EVENTS)
+(ENTRY, FOUND, FIRST_STAGE, Q_STAGED, Q_READY, FIRST_FULL, PRODUCER_DONE, LOOP_DONE, OUT0,
+ OUT1) = range(EVENTS)
 SM, BLOCK, STEPS = EVENTS, EVENTS + 1, EVENTS + 2
 
 #: (label, from event, to event) of the intervals printed, in a CTA's order.
@@ -44,9 +45,6 @@ INTERVALS = (
     ("start -> first stage taken (consumer 0)", ENTRY, FIRST_FULL),
     ("first stage taken -> loop done", FIRST_FULL, LOOP_DONE),
     ("producer done -> loop done", PRODUCER_DONE, LOOP_DONE),
-    ("loop done -> consumers synced", LOOP_DONE, EPILOGUE_SYNCED),
-    ("consumers synced -> tile staged", EPILOGUE_SYNCED, TILE_STAGED),
-    ("tile staged -> rows written (consumer 0)", TILE_STAGED, OUT0),
     ("loop done -> rows written (consumer 0)", LOOP_DONE, OUT0),
 )
 

@@ -14,13 +14,11 @@ trace = load_script("benchmarks/prefill_trace.py", "prefill_trace_script")
 def cta(start, sm, block, steps=100):
     """A CTA of `steps` steps of 2 us from `start` (ns): found after 1 us, first stage handed
     over at 5, q staged at 8 and ready at 9, first stage taken at 10, the producer done at 200,
-    the loop at 210, the consumers synced at 211, the tile staged at 213, consumer 0's rows
-    written at 216 (consumer 1's at 215)."""
+    the loop at 210, consumer 0's rows written at 216 (consumer 1's at 215)."""
     row = np.zeros(trace.WORDS, np.int64)
     at = {trace.ENTRY: 0, trace.FOUND: 1, trace.FIRST_STAGE: 5, trace.Q_STAGED: 8,
           trace.Q_READY: 9, trace.FIRST_FULL: 10, trace.PRODUCER_DONE: 200,
-          trace.LOOP_DONE: 10 + 2 * steps, trace.EPILOGUE_SYNCED: 11 + 2 * steps,
-          trace.TILE_STAGED: 13 + 2 * steps, trace.OUT0: 16 + 2 * steps,
+          trace.LOOP_DONE: 10 + 2 * steps, trace.OUT0: 16 + 2 * steps,
           trace.OUT1: 15 + 2 * steps}
     for event, us in at.items():
         row[event] = start + 1000 * us
