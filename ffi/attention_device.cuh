@@ -203,17 +203,8 @@ __device__ __forceinline__ void store_out(void* out, QType type, int64_t i, floa
   }
 }
 
-// Eight q values from element i (a multiple of 8) as float32, in 16-byte loads (q is 16-byte
-// aligned: ReadAttentionOperands checks it).
-__device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, float (&x)[8]) {
-  if (type == QType::kF32) {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
-    const float4 a = __ldg(p), b = __ldg(p + 1);
-    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
-    x[7] = b.w;
-    return;
-  }
-  const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i));
+// Eight q values at 16 bits (bf16 or fp16, the type's), in one 16-byte word, as float32.
+__device__ __forceinline__ void widen_q8(QType type, uint4 v, float* x) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
@@ -226,6 +217,46 @@ __device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, fl
       x[2 * k + 1] = __half2float(__ushort_as_half(hi));
     }
   }
+}
+
+// Eight q values from element i (a multiple of 8) as float32, in 16-byte loads (q is 16-byte
+// aligned: ReadAttentionOperands checks it).
+__device__ __forceinline__ void load_q8(const void* q, QType type, int64_t i, float (&x)[8]) {
+  if (type == QType::kF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
+    const float4 a = __ldg(p), b = __ldg(p + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+    x[7] = b.w;
+    return;
+  }
+  widen_q8(type, __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i)), x);
+}
+
+// kN q values from element i (multiples of 8) as load_q8 gives them, every load issued before
+// any value is widened: one branch on the type around them all. (load_q8 a group at a time puts
+// a type branch around each load, and the pipelined prefill kernel's consumers waited for each
+// load before the next went out: eight round trips between a CTA's start and its first step;
+// ragged v26.)
+template <int kN>
+__device__ __forceinline__ void load_q_values(const void* q, QType type, int64_t i,
+                                              float (&x)[kN]) {
+  static_assert(kN % 8 == 0, "whole 16-byte loads");
+  if (type == QType::kF32) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(q) + i);
+    float4 a[kN / 4];
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j) a[j] = __ldg(p + j);
+#pragma unroll
+    for (int j = 0; j < kN / 4; ++j)
+      x[4 * j] = a[j].x, x[4 * j + 1] = a[j].y, x[4 * j + 2] = a[j].z, x[4 * j + 3] = a[j].w;
+    return;
+  }
+  const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(q) + i);
+  uint4 v[kN / 8];
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) v[j] = __ldg(p + j);
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) widen_q8(type, v[j], x + 8 * j);
 }
 
 // The power-of-two exponent e that puts amax * 2^e in [2^14, 2^15) (0 for 0, Inf, NaN): q

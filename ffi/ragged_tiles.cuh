@@ -362,52 +362,48 @@ __device__ __forceinline__ PageView<kLayout> tile_page_view(const RaggedProblem&
 // qk_scale (k_scale x sm_scale) moved in (exact in fp16), so that each row's scale is >= 0 (or
 // NaN) and the loops' unmasked steps can take the max of the unscaled scores. The half's amax,
 // then its values. Up to head size 128 the values stay in registers between the two (one round
-// trip of loads, all issued together: a CTA's prologue waits for it; ragged v24); at 256 a
-// second pass reads them again. Returns the row's exponent.
+// trip of loads, all issued together: a CTA's prologue waits for it; ragged v24, v26); at 256
+// the half goes in two chunks of 64 and the second pass reads them again. Returns the row's
+// exponent.
 template <int kHead>
 __device__ __forceinline__ int stage_q_half(const RaggedProblem& p, int64_t q_row, int half,
                                             float qk_scale, uint16_t* dst) {
   constexpr int kDims = kHead / 2;
-  constexpr bool kHeld = kDims <= 64;
+  // The values loaded at once (8 x 16 bytes at 16-bit q types); up to head size 128 that is the
+  // whole half, held in registers between the amax and the conversion.
+  constexpr int kChunk = kDims < 64 ? kDims : 64;
+  constexpr bool kHeld = kChunk == kDims;
   const bool valid = q_row >= 0;
   const int64_t q_at = (valid ? q_row : 0) * kHead + half * kDims;
-  float held[kHeld ? kDims : 1];
+  float v[kChunk];
+  const auto load = [&](int c) {
+    if (valid) {
+      load_q_values(p.q, p.q_type, q_at + c, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k) v[k] = 0.f;
+    }
+  };
   float amax = 0.f;
-  if constexpr (kHeld) {
+#pragma unroll 1
+  for (int c = 0; c < kDims; c += kChunk) {
+    load(c);
 #pragma unroll
-    for (int i = 0; i < kDims; i += 8) {
-      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      if (valid) load_q8(p.q, p.q_type, q_at + i, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) held[i + k] = v[k];
-    }
-#pragma unroll
-    for (int k = 0; k < kDims; ++k) amax = fmaxf(amax, fabsf(held[k]));
-  } else if (valid) {
-#pragma unroll 4
-    for (int i = 0; i < kDims; i += 8) {
-      float v[8];
-      load_q8(p.q, p.q_type, q_at + i, v);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-    }
+    for (int k = 0; k < kChunk; ++k) amax = fmaxf(amax, fabsf(v[k]));
   }
   amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, 1));
   const int exponent = q_exponent(amax);
   PowerOfTwo times(exponent);
   if (qk_scale < 0.f) times.lo = -times.lo;
-#pragma unroll 4
-  for (int i = 0; i < kDims; i += 8) {
-    float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    if constexpr (kHeld) {
+#pragma unroll 1
+  for (int c = 0; c < kDims; c += kChunk) {
+    if constexpr (!kHeld) load(c);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) v[k] = held[i + k];
-    } else if (valid) {
-      load_q8(p.q, p.q_type, q_at + i, v);
-    }
-    *reinterpret_cast<uint4*>(dst + i) = make_uint4(
-        pack_f16x2(times(v[0]), times(v[4])), pack_f16x2(times(v[2]), times(v[6])),
-        pack_f16x2(times(v[1]), times(v[5])), pack_f16x2(times(v[3]), times(v[7])));
+    for (int i = 0; i < kChunk; i += 8)
+      *reinterpret_cast<uint4*>(dst + c + i) = make_uint4(
+          pack_f16x2(times(v[i]), times(v[i + 4])), pack_f16x2(times(v[i + 2]), times(v[i + 6])),
+          pack_f16x2(times(v[i + 1]), times(v[i + 5])),
+          pack_f16x2(times(v[i + 3]), times(v[i + 7])));
   }
   return exponent;
 }
