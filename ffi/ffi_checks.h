@@ -144,8 +144,8 @@ inline std::string ReadAttentionOperands(ffi::AnyBuffer q, ffi::Buffer<ffi::U8> 
   if (!ReadQType(q.element_type(), q_type)) return "q must be bfloat16, float16 or float32";
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count())
     return "out must have q's dtype and shape";
-  // The kernels read q in 16-byte loads (attention_device.cuh, load_q8 and load_q_values); XLA's buffers are
-  // aligned more than that.
+  // The kernels read q in 16-byte loads (attention_device.cuh, load_q8 and load_q_values);
+  // XLA's buffers are aligned more than that.
   if (reinterpret_cast<uintptr_t>(q.untyped_data()) % 16 != 0) return "q is not 16-byte aligned";
   const int64_t stacked = q_dims[0], num_q_heads = q_dims[2], head_size = q_dims[3];
   if (head_size != 64 && head_size != 128 && head_size != 256)

@@ -91,6 +91,7 @@ __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipe
 // Consumer c's turn to issue its products (ragged v15): the consumers take turns, so that one's
 // softmax runs while the other's products do (FlashAttention-3's ping-pong).
 __device__ __forceinline__ int turn_barrier(int c) { return 4 + 2 * kMaxPipeStages + c; }
+// (turn_barrier(1) is the last barrier id)
 static_assert(4 + 2 * kMaxPipeStages + 1 < 16, "16 named barriers a CTA");
 
 template <bool kSwizzle, Layout kLayout, int kStep>
@@ -371,14 +372,15 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     named_arrive(empty_barrier(step % P::kStages), kPipeThreads);
   }
 
-  // The epilogue by quad shuffles (ragged v25): each row's 128 dims lie in
-  // the 4 lanes of a quad, lane qd holding dims pde(qd) and pde(qd) + 4 of every 8-dim group
-  // (pde = permuted_dim_even), so a 4 x 4 transpose of packed words inside the quad gives each
-  // lane whole groups (4m + qd, m = 0..3) and it writes them in 16-byte stores; no shared
-  // memory, no barrier (v24 staged the rows through the stages behind two barriers). One
-  // division a row (out_scale / l), then a product a value. Each row's sum is its column 2 qd
-  // of the sums tile; a row that saw nothing in this split gets the empty result (zeros, lse
-  // -inf). The shuffles run in every lane (full mask), rows past rows_here store nothing.
+  // The epilogue by quad shuffles (ragged v25): each row's 128 dims lie in the 4 lanes of a
+  // quad, lane qd holding dims pde(qd) and pde(qd) + 4 of every 8-dim group (pde =
+  // permuted_dim_even), so a 4 x 4 transpose of packed words inside the quad gives each lane
+  // whole groups (4m + qd, m = 0..3) and it writes them in 16-byte stores; no shared memory, no
+  // barrier (v24 staged the rows through the stages behind two barriers: 6 us a CTA against
+  // 1.3 on an H100). One division a row (out_scale / l), then a product a value. Each row's sum
+  // is its column 2 qd of the sums tile; a row that saw nothing in this split gets the empty
+  // result (zeros, lse -inf). The shuffles run in every lane (full mask); rows past rows_here
+  // store nothing.
   l[0] = sums[0];
   l[1] = sums[2];
   const bool one_split = p.num_splits == 1;
@@ -423,7 +425,8 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         uint32_t lo[4], hi[4];  // dims pde(j) and pde(j) + 4 of group 4 mq + j
 #pragma unroll
         for (int j = 0; j < 4; ++j)
-          lo[j] = __float_as_uint(value(4 * mq + j, 0)), hi[j] = __float_as_uint(value(4 * mq + j, 1));
+          lo[j] = __float_as_uint(value(4 * mq + j, 0)),
+          hi[j] = __float_as_uint(value(4 * mq + j, 1));
         quad_transpose(lo);
         quad_transpose(hi);
         // lane j's words hold dims pde(j) (lo) and + 4 (hi): pde = 0, 2, 1, 3
