@@ -9,7 +9,8 @@ the first stage taken), the loop (per step), the epilogue (loop done to the rows
 ragged v25 it has no barrier: v24's trace had two more events, the consumers synced and the tile
 staged in shared memory), and per SM the gaps between consecutive CTAs and the SMs' busy
 fraction of the call. It answers where a CTA's fixed costs go, against its steps (benchmarks/
-NOTES.md, ragged v24: ~12 us of prologue and ~12 us of epilogue a CTA on an H100).
+NOTES.md, on an H100: before ragged v24 ~12 us of prologue and ~12 us of epilogue a CTA, after
+v26 ~6.8 and ~1.3).
 
     benchmarks/ab.sh --patch benchmarks/variants/prefill_trace.patch --a none --rounds 1 -- \\
         python3 -P benchmarks/prefill_trace.py --points chunked8x512,chunked1x2048
