@@ -58,14 +58,18 @@ def functions(sass):
 
 
 def resources(ptxas_log):
-    """``{mangled name: (registers, spill store bytes, spill load bytes)}`` from ``ptxas -v``."""
+    """``{mangled name: (registers, spill store bytes, spill load bytes, stack frame bytes)}``
+    from ``ptxas -v``. The stack frame is apart from the spills: a local array indexed at run
+    time lives there with 0 bytes of spills (ragged v26: q's held half row, 256 bytes of STL /
+    LDL in the pipelined kernel's prologue)."""
     out = {}
     pattern = re.compile(r"Compiling entry function '(\S+)'.*?\n(.*?)"
                          r"ptxas info\s*: Used (\d+) registers", re.S)
     for m in pattern.finditer(ptxas_log):
         spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", m.group(2))
         stores, loads = (int(x) for x in spills.groups()) if spills else (0, 0)
-        out[m.group(1)] = (int(m.group(3)), stores, loads)
+        frame = re.search(r"(\d+) bytes stack frame", m.group(2))
+        out[m.group(1)] = (int(m.group(3)), stores, loads, int(frame.group(1)) if frame else 0)
     return out
 
 
@@ -162,9 +166,11 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout):
     kernels = functions(sass)
     used = resources(ptxas_log)
     for name, instructions in kernels.items():
-        regs, stores, loads = used.get(name, (None, None, None))
+        regs, stores, loads, frame = used.get(name, (None, None, None, None))
         spill = f", spills {stores} / {loads} B" if stores or loads else ""
-        print(f"{len(instructions):6d} instructions, {regs} registers{spill}: {name}", file=out)
+        stack = f", stack frame {frame} B" if frame else ""
+        print(f"{len(instructions):6d} instructions, {regs} registers{spill}{stack}: {name}",
+              file=out)
     if not loop:
         return None
     matches = [n for n in kernels if loop in n]

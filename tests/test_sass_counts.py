@@ -42,7 +42,7 @@ def test_functions_resources_and_the_common_path():
     sass = _listing("_Z4loopv", body) + _listing("_Z5otherv", ["MOV R1, R2", "EXIT"])
     log = ("ptxas info    : Compiling entry function '_Z4loopv' for 'sm_90a'\n"
            "ptxas info    : Function properties for _Z4loopv\n"
-           "    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+           "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
            "ptxas info    : Used 128 registers, used 1 barriers\n"
            "ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90a'\n"
            "ptxas info    : Function properties for _Z5otherv\n"
@@ -50,7 +50,7 @@ def test_functions_resources_and_the_common_path():
            "ptxas info    : Used 8 registers\n")
     kernels = sc.functions(sass)
     assert list(kernels) == ["_Z4loopv", "_Z5otherv"] and len(kernels["_Z4loopv"]) == len(body)
-    assert sc.resources(log) == {"_Z4loopv": (128, 8, 12), "_Z5otherv": (8, 0, 0)}
+    assert sc.resources(log) == {"_Z4loopv": (128, 8, 12, 16), "_Z5otherv": (8, 0, 0, 0)}
     loop = sc.largest_loop(kernels["_Z4loopv"])
     assert loop[0][0] == 0x10 and loop[-1][1] == "@!P2 BRA 0x10"
     path = sc.common_path(loop)
@@ -62,7 +62,8 @@ def test_functions_resources_and_the_common_path():
     out = io.StringIO()
     assert sc.report(sass, log, "loopv", out=out) == len(path)
     text = out.getvalue()
-    assert "128 registers, spills 8 / 12 B: _Z4loopv" in text and "8 registers: _Z5otherv" in text
+    assert "128 registers, spills 8 / 12 B, stack frame 16 B: _Z4loopv" in text, text
+    assert "8 registers: _Z5otherv" in text
     assert f"common path {len(path)}" in text and "HMMA:2" in text
 
 
