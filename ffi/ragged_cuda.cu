@@ -395,12 +395,9 @@ int64_t TileSlots(const RaggedProblem& p) {
   return (int64_t(p.num_tokens) * group + kRows - 1) / kRows +
          std::min<int64_t>(p.max_num_seqs, p.num_tokens);
 }
-int64_t FillSlots(const RaggedProblem& p) {
-  return (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens;
-}
 
 // Whether every tile of the ragged kernel would be skipped, so that it is not launched and the
-// few-row kernels' grid takes its fill slots (p.few_rows_fill): the pipelined kernel runs (head
+// few-row kernels' grid takes its fill slots (LaunchFewRows' `fill`): the pipelined kernel runs (head
 // size 128, an sm_90 GPU and sm_90a code: it set p.pipelined) and takes every sequence of more
 // than kPipelinedMinRows rows (those over max_q_len too: it writes their NaN rows), the few-row
 // kernel those of 2 tokens up to its few_rows_max >= kPipelinedMinRows rows, the decode kernel
@@ -439,12 +436,12 @@ cudaError_t Launch(cudaStream_t stream, const RaggedProblem& caller_problem) {
                     uint32_t(p.stacked * p.num_splits));
   // Alone, the few-row kernel takes every sequence and the fill; with the ragged kernel's tiles
   // idle, the fill.
-  p.few_rows_fill = p.few_rows_only || RaggedTilesIdle(p);
-  if (!p.few_rows_fill) {
+  const bool few_rows_fill = p.few_rows_only || RaggedTilesIdle(p);
+  if (!few_rows_fill) {
     kernel<<<blocks, kThreads, R::kSmemBytes, stream>>>(p, grid);
     error = cudaGetLastError();
   }
-  if (error == cudaSuccess) error = LaunchFewRows(stream, p);
+  if (error == cudaSuccess) error = LaunchFewRows(stream, p, few_rows_fill);
   if (error == cudaSuccess && p.num_splits > 1) {
     const int64_t rows = int64_t(p.stacked) * p.num_tokens * p.num_q_heads;
     RaggedMergeKernel<kHead>

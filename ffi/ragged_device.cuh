@@ -99,16 +99,22 @@ __device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t
 // dims 0, 4, 2, 6, 1, 5, 3, 7); position 2c + 1 holds dimension kPermutedDim(2c) + 4.
 __device__ __forceinline__ int permuted_dim_even(int c) { return ((c & 1) << 1) | (c >> 1); }
 
+// A query row's lse in this split from its log2 lse: natural log into lse with one split, the
+// log2 partial for the merge kernel otherwise. -inf (nothing attended) and NaN (a rule broken)
+// stay what they are through the product.
+__device__ __forceinline__ void write_row_lse(const RaggedProblem& p, int64_t row, int split,
+                                              float lse2) {
+  const bool one_split = p.num_splits == 1;
+  *(one_split ? p.lse + row : p.partial_lse + row * p.num_splits + split) =
+      one_split ? lse2 * kLn2 : lse2;
+}
+
 // Writes the result of a query row that attends to nothing in this split: zeros and -inf (one
 // split) or an empty partial result (the merge then skips it).
 __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row, int split,
                                             int d, int head_size) {
-  if (p.num_splits == 1) {
-    store_out(p.out, p.q_type, row * head_size + d, 0.f);
-    if (d == 0) p.lse[row] = -INFINITY;
-  } else if (d == 0) {
-    p.partial_lse[row * p.num_splits + split] = -INFINITY;
-  }
+  if (p.num_splits == 1) store_out(p.out, p.q_type, row * head_size + d, 0.f);
+  if (d == 0) write_row_lse(p, row, split, -INFINITY);
 }
 
 // Writes a query row's result in this split, dim d: its value (normalised by its own sum) and
@@ -117,25 +123,19 @@ __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row,
 __device__ __forceinline__ void write_result(const RaggedProblem& p, int64_t row, int split, int d,
                                              int head_size, float value, float lse2,
                                              float out_scale) {
-  if (p.num_splits == 1) {
+  if (p.num_splits == 1)
     store_out(p.out, p.q_type, row * head_size + d, value * out_scale);
-    if (d == 0) p.lse[row] = lse2 * kLn2;
-  } else {
+  else
     p.partial_out[(row * p.num_splits + split) * head_size + d] = value;
-    if (d == 0) p.partial_lse[row * p.num_splits + split] = lse2;
-  }
+  if (d == 0) write_row_lse(p, row, split, lse2);
 }
 
 // Writes NaN for a query row of a sequence that breaks max_q_len (its result, or with split-KV
 // a NaN partial lse, which the merge turns into a NaN row).
 __device__ __forceinline__ void write_nan(const RaggedProblem& p, int64_t row, int split, int d,
                                           int head_size) {
-  if (p.num_splits == 1) {
-    store_out(p.out, p.q_type, row * head_size + d, NAN);
-    if (d == 0) p.lse[row] = NAN;
-  } else if (d == 0) {
-    p.partial_lse[row * p.num_splits + split] = NAN;
-  }
+  if (p.num_splits == 1) store_out(p.out, p.q_type, row * head_size + d, NAN);
+  if (d == 0) write_row_lse(p, row, split, NAN);
 }
 
 // The readers' rule for an invalid global scale (jax_nvfp4.checks.nan_if_invalid), which the
@@ -257,6 +257,11 @@ __device__ __forceinline__ void owned_tokens(const int32_t* cu, int32_t ns, int3
 
 // Tokens a fill slot of either kernel's grid covers.
 constexpr int32_t kFillTokens = 64;
+// The fill slots of a call (kFillTokens tokens each), on the grid's x axis after the
+// sequences' slots of whichever kernel zeroes the unowned tokens.
+inline int64_t FillSlots(const RaggedProblem& p) {
+  return (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens;
+}
 
 // Fill slot `fill` of a CTA of kThreads threads: empty results (write_empty) for the rows of
 // the CTA's kv head of the tokens [64 fill, 64 fill + 64) that no sequence owns, those before

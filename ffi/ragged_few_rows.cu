@@ -133,7 +133,7 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
 }
 
 // What a CTA of either few-row kernel does before it attends. Block x past the sequences' (only
-// in a grid with p.few_rows_fill: the kernel serves the call alone, or the ragged kernel is not
+// in a grid with the fill slots (LaunchFewRows' `fill`): the kernel serves the call alone, or the ragged kernel is not
 // launched) is a fill slot: zeros for the tokens nobody owns. A sequence over max_q_len gets
 // NaN rows: among those the kernels take, and alone (the kernel then owes every sequence its
 // rows, and the handler checked that max_q_len's fit) any they cannot take; so does every
@@ -241,15 +241,14 @@ cudaError_t LaunchConfigured(cudaStream_t stream, dim3 blocks, int threads, int 
 }
 
 template <int kHead, bool kSwizzle, Layout kLayout>
-cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p) {
+cudaError_t LaunchFewRowsKernel(cudaStream_t stream, const RaggedProblem& p, bool fill) {
   const RaggedGrid grid{0, FastDivmod(uint32_t(p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.num_q_heads / p.page.num_kv_heads)),
                         FastDivmod(uint32_t(p.page.block_size))};
-  // Both kernels' grid: a CTA per (sequence, kv head); with p.few_rows_fill (alone, or the
-  // ragged kernel not launched), also the fill slots of the ragged kernel's grid.
-  const int64_t fill =
-      p.few_rows_fill ? (int64_t(p.num_tokens) + kFillTokens - 1) / kFillTokens : 0;
-  const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill) * p.page.num_kv_heads), 1,
+  // Both kernels' grid: a CTA per (sequence, kv head); with `fill` (alone, or the ragged
+  // kernel not launched), also the fill slots of the ragged kernel's grid.
+  const int64_t fill_slots = fill ? FillSlots(p) : 0;
+  const dim3 blocks(uint32_t((int64_t(p.max_num_seqs) + fill_slots) * p.page.num_kv_heads), 1,
                     uint32_t(p.stacked * p.num_splits));
   if (blocks.x == 0) return cudaSuccess;
   // Alone under a bound past kFewRows rows, WideRowsKernel does all of it (see there).
@@ -294,8 +293,8 @@ int FewRowsMaxRows(int head_size) {
   return head_size == kFewRowsWideHead && WgmmaCodeRuns() ? kFewRowsWide : kFewRows;
 }
 
-cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
-  if (p.max_num_seqs == 0 && !p.few_rows_fill) return cudaSuccess;
+cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p, bool fill) {
+  if (p.max_num_seqs == 0 && !fill) return cudaSuccess;
   return WithHeadSize(
       p.page.head_size,
       [&](auto head) {
@@ -304,7 +303,7 @@ cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p) {
         } else {
           return WithPageOptions(p.page, [&](auto swizzle, auto layout) {
             return LaunchFewRowsKernel<decltype(head)::value, decltype(swizzle)::value,
-                                       decltype(layout)::value>(stream, p);
+                                       decltype(layout)::value>(stream, p, fill);
           });
         }
       },

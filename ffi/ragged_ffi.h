@@ -75,10 +75,6 @@ struct RaggedProblem : AttentionOperands {  // q's rows are tokens: [L, T, Hq, D
   // Set by the handler: the most query rows per kv head the few-row kernel takes on this GPU
   // (FewRowsMaxRows: kFewRows, or kFewRowsWide at head size 128 with sm_90a code).
   int32_t few_rows_max = kFewRows;
-  // Set by the launch: 1 when the few-row kernels' grid also has the fill slots (zeros for the
-  // tokens no sequence owns): they serve the call alone, or the ragged kernel, with no tile to
-  // do, is not launched (ragged_cuda.cu, RaggedTilesIdle).
-  int32_t few_rows_fill = 0;
 };
 
 inline ffi::Error RaggedArgumentError(const std::string& message) {
@@ -203,8 +199,10 @@ inline DecodeProblem OneTokenDecodeProblem(const RaggedProblem& p) {
 // The few-row kernel for the sequences it takes (ragged_few_rows.cu, takes_few_rows), writing
 // their rows of out and lse or, with several splits, of the split-KV workspace; the ragged
 // kernel's handler launches it after the ragged kernel and before the merge, or alone
-// (p.few_rows_only), when it also zeroes the tokens no sequence owns.
-cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p);
+// (p.few_rows_only). `fill`: its grid also has the ragged kernel's fill slots (zeros for the
+// tokens no sequence owns), where it serves the call alone or the ragged kernel, with no tile
+// to do, is not launched (ragged_cuda.cu, RaggedTilesIdle).
+cudaError_t LaunchFewRows(cudaStream_t stream, const RaggedProblem& p, bool fill);
 // The pipelined prefill kernel (ragged_pipelined.cu, takes_pipelined) for the long sequences,
 // where it runs (built in, an sm_90 GPU, head size 128): it sets p->pipelined, and the ragged
 // kernel, launched next with *p, skips those sequences. Otherwise it launches nothing.

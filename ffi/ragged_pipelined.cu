@@ -409,12 +409,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     const bool empty = m[h] == -INFINITY && !isnan(l[h]);
     const float lse2 = m[h] + __log2f(l[h]);
     const int64_t row = member_rows + (here ? my_q_row[r] : 0);
-    if (here && qd == 0) {
-      if (one_split)
-        p.lse[row] = empty ? -INFINITY : lse2 * kLn2;
-      else
-        p.partial_lse[row * p.num_splits + split] = empty ? -INFINITY : lse2;
-    }
+    if (here && qd == 0) write_row_lse(p, row, split, empty ? -INFINITY : lse2);
     const float factor = out_scale / l[h];
     const auto value = [&](int i, int k) { return empty ? 0.f : o[i][2 * h + k] * factor; };
     if (wide_values) {
