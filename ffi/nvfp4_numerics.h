@@ -415,10 +415,12 @@ __device__ __forceinline__ void block_signs_of_halves(const uint32_t (&words)[8]
 
 // block_codes, and the reconstruction error of docs/format.md §3 of the block so stored, in
 // one pass over the block (4over6's candidates): each element's difference from its code's
-// value (e2m1_magnitude_of_bits, signed like the code: the sign of x), then the squares
-// pairwise in element order, each operation rounded alone. With out_scale == 0 (f == 0) the
-// multiplier is 0, so each difference is 0 * q - x, which is the spec's -x (q is finite) but
-// for the sign of a zero, which squares away.
+// value (e2m1_magnitude_of_bits), then the squares pairwise in element order, each operation
+// rounded alone. The difference is taken on magnitudes, |q| * (1/f) - |x|: the code carries
+// x's sign and round-to-nearest is symmetric, so that is d or -d and the square is the same
+// float (store v24: one instruction a value and candidate less than signing q). With out_scale
+// == 0 (f == 0) the multiplier is 0, so each difference is 0 * |q| - |x|, the spec's -x up to
+// its sign, which squares away.
 NVFP4_HD float block_codes_and_error(const float* x, float out_scale, const uint32_t (&signs)[2],
                                      uint32_t (&packed)[2]) {
   const float deq = out_scale != 0.0f ? div_rn(1.0f, out_scale) : 0.0f;
@@ -431,9 +433,7 @@ NVFP4_HD float block_codes_and_error(const float* x, float out_scale, const uint
         const float xi = x[8 * w + j + e];
         const uint32_t bits = e2m1_magnitude_bits(mul_rn(xi, out_scale));
         magnitudes += bits << (4 * (j + e));  // block_codes' packing, in the other order
-        const float q =
-            bits_float(float_bits(e2m1_magnitude_of_bits(bits)) | (float_bits(xi) & 0x80000000u));
-        d[e] = sub_rn(mul_rn(q, deq), xi);
+        d[e] = sub_rn(mul_rn(e2m1_magnitude_of_bits(bits), deq), fabsf(xi));  // d or -d
       }
       err = add_rn(err, add_rn(mul_rn(d[0], d[0]), mul_rn(d[1], d[1])));
     }
