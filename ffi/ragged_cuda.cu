@@ -397,14 +397,14 @@ int64_t TileSlots(const RaggedProblem& p) {
 }
 
 // Whether every tile of the ragged kernel would be skipped, so that it is not launched and the
-// few-row kernels' grid takes its fill slots (LaunchFewRows' `fill`): the pipelined kernel runs (head
-// size 128, an sm_90 GPU and sm_90a code: it set p.pipelined) and takes every sequence of more
-// than kPipelinedMinRows rows (those over max_q_len too: it writes their NaN rows), the few-row
-// kernel those of 2 tokens up to its few_rows_max >= kPipelinedMinRows rows, the decode kernel
-// those of one; and there is one split (with several, the ragged kernel writes the one-token
-// rows' empty partial results, which the merge reads before the decode kernel's rows replace
-// them). Launched empty it cost 6 to 38 us a call on an H100 (chunk 2048 to prefix 16 x 1024:
-// thousands of 64-row tile slots at two CTAs a SM; benchmarks/NOTES.md, ragged v23).
+// few-row kernels' grid takes its fill slots (LaunchFewRows' `fill`): the pipelined kernel runs
+// (head size 128, an sm_90 GPU and sm_90a code: it set p.pipelined) and takes every sequence of
+// more than kPipelinedMinRows rows (those over max_q_len too: it writes their NaN rows), the
+// few-row kernel those of 2 tokens up to its few_rows_max >= kPipelinedMinRows rows, the decode
+// kernel those of one; and there is one split (with several, the ragged kernel writes the one-token
+// rows' empty partial results, which the merge reads before the decode kernel's rows replace them).
+// Launched empty it cost 6 to 38 us a call on an H100 (chunk 2048 to prefix 16 x 1024: thousands of
+// 64-row tile slots at two CTAs a SM; benchmarks/NOTES.md, ragged v23).
 bool RaggedTilesIdle(const RaggedProblem& p) {
   return p.pipelined && p.num_splits == 1 && p.decode_splits > 0 &&
          p.page.head_size <= kFewRowsMaxHead && p.few_rows_max >= kPipelinedMinRows;

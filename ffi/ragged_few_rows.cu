@@ -132,15 +132,15 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
                           });
 }
 
-// What a CTA of either few-row kernel does before it attends. Block x past the sequences' (only
-// in a grid with the fill slots (LaunchFewRows' `fill`): the kernel serves the call alone, or the ragged kernel is not
-// launched) is a fill slot: zeros for the tokens nobody owns. A sequence over max_q_len gets
-// NaN rows: among those the kernels take, and alone (the kernel then owes every sequence its
-// rows, and the handler checked that max_q_len's fit) any they cannot take; so does every
-// sequence the kernels take where the member's global scales are invalid
-// (member_scales_valid); by the kernel that `owes` them (the one that also takes the sequences
-// of up to kFewRows rows). Returns whether the CTA attends for sequence cta.slot, whose tokens
-// are [*start, *start + *q_len).
+// What a CTA of either few-row kernel does before it attends. Block x past the sequences' (only in
+// a grid with the fill slots (LaunchFewRows' `fill`): the kernel serves the call alone, or the
+// ragged kernel is not launched) is a fill slot: zeros for the tokens nobody owns. A sequence over
+// max_q_len gets NaN rows: among those the kernels take, and alone (the kernel then owes every
+// sequence its rows, and the handler checked that max_q_len's fit) any they cannot take; so does
+// every sequence the kernels take where the member's global scales are invalid
+// (member_scales_valid); by the kernel that `owes` them (the one that also takes the sequences of
+// up to kFewRows rows). Returns whether the CTA attends for sequence cta.slot, whose tokens are
+// [*start, *start + *q_len).
 template <int kHead>
 __device__ __forceinline__ bool few_rows_sequence(const RaggedProblem& p, const RaggedCta& cta,
                                                   bool owes, int32_t* start, int32_t* q_len) {
