@@ -203,6 +203,16 @@ __device__ __forceinline__ void store_out(void* out, QType type, int64_t i, floa
   }
 }
 
+// store_out's rounding for two values of a 16-bit out (bf16 or fp16), packed in one word, lo
+// in the low half (for kernels that write 16-byte pieces of a row).
+__device__ __forceinline__ uint32_t pack_out16x2(QType type, float lo, float hi) {
+  if (type == QType::kBF16) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return pack_f16x2(lo, hi);
+}
+
 // Eight q values at 16 bits (bf16 or fp16, the type's), in one 16-byte word, as float32.
 __device__ __forceinline__ void widen_q8(QType type, uint4 v, float* x) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};

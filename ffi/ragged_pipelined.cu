@@ -432,21 +432,13 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
         }
       }
     } else {
-      const bool bf16 = p.q_type == QType::kBF16;
       uint8_t* const to = static_cast<uint8_t*>(p.out) + row * kHead * 2;
 #pragma unroll
       for (int mq = 0; mq < R::kOTiles / 4; ++mq) {
         uint32_t a[4];  // (dim pde(j), dim pde(j) + 4) of group 4 mq + j, low half first
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float x = value(4 * mq + j, 0), y = value(4 * mq + j, 1);
-          if (bf16) {
-            const __nv_bfloat162 b = __floats2bfloat162_rn(x, y);
-            a[j] = *reinterpret_cast<const uint32_t*>(&b);
-          } else {
-            a[j] = pack_f16x2(x, y);
-          }
-        }
+        for (int j = 0; j < 4; ++j)
+          a[j] = pack_out16x2(p.q_type, value(4 * mq + j, 0), value(4 * mq + j, 1));
         quad_transpose(a);
         if (here)
           *reinterpret_cast<uint4*>(to + 16 * (4 * mq + qd)) =
