@@ -90,9 +90,9 @@ constexpr int kProducerBarrier = 1 + 2 * kMaxPipeStages;
 __device__ __forceinline__ int consumer_barrier(int c) { return 2 + 2 * kMaxPipeStages + c; }
 // Consumer c's turn to issue its products (ragged v15): the consumers take turns, so that one's
 // softmax runs while the other's products do (FlashAttention-3's ping-pong).
-__device__ __forceinline__ int turn_barrier(int c) { return 4 + 2 * kMaxPipeStages + c; }
-// (turn_barrier(1) is the last barrier id)
-static_assert(4 + 2 * kMaxPipeStages + 1 < 16, "16 named barriers a CTA");
+constexpr int kTurnBarrier = 4 + 2 * kMaxPipeStages;  // consumer 0's; consumer 1's the last id
+__device__ __forceinline__ int turn_barrier(int c) { return kTurnBarrier + c; }
+static_assert(kTurnBarrier + 1 < 16, "16 named barriers a CTA");
 
 template <bool kSwizzle, Layout kLayout, int kStep>
 __global__ void __launch_bounds__(kPipeThreads, 1)
