@@ -413,17 +413,31 @@ __device__ __forceinline__ void block_signs_of_halves(const uint32_t (&words)[8]
 }
 #endif
 
+// The products q * (1/f) that block_codes_and_error's differences take, for the code whose
+// e2m1_magnitude_bits are `bits` and the candidate's 1/f (`deq`, given to `set` first): the
+// code's value read off its bits (e2m1_magnitude_of_bits), times deq, for each element. The
+// CUDA store's 4over6 kernel passes instead a table of each candidate's eight products in
+// shared memory (store_cuda.cu, CodeProductTable: the same floats, each the same one product).
+struct CodeProducts {
+  float deq[2];
+  NVFP4_HD void set(int candidate, float d) { deq[candidate] = d; }
+  NVFP4_HD float of(int candidate, uint32_t bits) const {
+    return mul_rn(e2m1_magnitude_of_bits(bits), deq[candidate]);
+  }
+};
+
 // block_codes, and the reconstruction error of docs/format.md §3 of the block so stored, in
-// one pass over the block (4over6's candidates): each element's difference from its code's
-// value (e2m1_magnitude_of_bits), then the squares pairwise in element order, each operation
-// rounded alone. The difference is taken on magnitudes, |q| * (1/f) - |x|: the code carries
-// x's sign and round-to-nearest is symmetric, so that is d or -d and the square is the same
-// float (store v24: one instruction a value and candidate less than signing q). With out_scale
-// == 0 (f == 0) the multiplier is 0, so each difference is 0 * |q| - |x|, the spec's -x up to
-// its sign, which squares away.
+// one pass over the block (4over6's candidates, `candidate` 0 for 6 and 1 for 4): each
+// element's difference from its code's value times 1/f (`products`), then the squares pairwise
+// in element order, each operation rounded alone. The difference is taken on magnitudes,
+// |q| * (1/f) - |x|: the code carries x's sign and round-to-nearest is symmetric, so that is d
+// or -d and the square is the same float (store v24: one instruction a value and candidate
+// less than signing q). With out_scale == 0 (f == 0) the multiplier is 0, so each difference
+// is 0 * |q| - |x|, the spec's -x up to its sign, which squares away.
+template <class Products>
 NVFP4_HD float block_codes_and_error(const float* x, float out_scale, const uint32_t (&signs)[2],
-                                     uint32_t (&packed)[2]) {
-  const float deq = out_scale != 0.0f ? div_rn(1.0f, out_scale) : 0.0f;
+                                     uint32_t (&packed)[2], Products& products, int candidate) {
+  products.set(candidate, out_scale != 0.0f ? div_rn(1.0f, out_scale) : 0.0f);
   float err = 0.0f;
   for (int w = 0; w < 2; ++w) {
     uint32_t magnitudes = 0;
@@ -433,7 +447,7 @@ NVFP4_HD float block_codes_and_error(const float* x, float out_scale, const uint
         const float xi = x[8 * w + j + e];
         const uint32_t bits = e2m1_magnitude_bits(mul_rn(xi, out_scale));
         magnitudes += bits << (4 * (j + e));  // block_codes' packing, in the other order
-        d[e] = sub_rn(mul_rn(e2m1_magnitude_of_bits(bits), deq), fabsf(xi));  // d or -d
+        d[e] = sub_rn(products.of(candidate, bits), fabsf(xi));  // d or -d
       }
       err = add_rn(err, add_rn(mul_rn(d[0], d[0]), mul_rn(d[1], d[1])));
     }
@@ -452,28 +466,32 @@ struct QuantizedBlock {
 // The block scale a block of x[0..15] is stored with (docs/format.md §2 steps 2-5, §3) and
 // its codes (`signs`: block_signs'): with 4over6 each candidate's codes are computed once, for
 // its error and, if chosen, the output.
+template <class Products = CodeProducts>
 NVFP4_HD BlockScale chosen_block(const float* x, const uint32_t (&signs)[2], StoreFactor f,
-                                 ScaleSearch search, uint32_t (&code)[2]) {
+                                 ScaleSearch search, uint32_t (&code)[2],
+                                 Products products = {}) {
   const float amax = block_amax(x);
   BlockScale chosen = block_scale(amax, f, kRecip6);
   if (search != ScaleSearch::k4Over6) {
     block_codes(x, chosen.out_scale, signs, code);
     return chosen;
   }
-  const float six_error = block_codes_and_error(x, chosen.out_scale, signs, code);
+  const float six_error = block_codes_and_error(x, chosen.out_scale, signs, code, products, 0);
   const BlockScale four = block_scale(amax, f, kRecip4);
   uint32_t four_code[2];
-  if (block_codes_and_error(x, four.out_scale, signs, four_code) < six_error) {
+  if (block_codes_and_error(x, four.out_scale, signs, four_code, products, 1) < six_error) {
     chosen = four;
     code[0] = four_code[0], code[1] = four_code[1];
   }
   return chosen;
 }
 
+template <class Products = CodeProducts>
 NVFP4_HD QuantizedBlock quantize_block(const float* x, const uint32_t (&signs)[2],
-                                       StoreFactor f, ScaleSearch search) {
+                                       StoreFactor f, ScaleSearch search,
+                                       Products products = {}) {
   uint32_t code[2];
-  const BlockScale chosen = chosen_block(x, signs, f, search, code);
+  const BlockScale chosen = chosen_block(x, signs, f, search, code, products);
   return {chosen.byte, {code[0], code[1]}};
 }
 

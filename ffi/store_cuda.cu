@@ -161,6 +161,31 @@ __device__ __forceinline__ void load_inputs(const uint4* src, uint4 (&in)[2 * kB
   }
 }
 
+// 4over6's products q * (1/f) (block_codes_and_error's CodeProducts) as a table: a candidate's
+// eight codes' values times its 1/f, written once a block into shared memory (8 FMUL, 8 STS),
+// then read by each element's code (an address from the code's bits and one LDS), where the
+// arithmetic reads the value off the bits and multiplies (6 instructions) for each of the
+// block's 16 elements. Each entry is the same one product, so the same float. The thread's
+// own column: entry (candidate, code) at column[(8 candidate + code) kThreadsPerBlock], so a
+// warp's 32 lanes read 32 consecutive words whatever their codes (no bank conflict), and the
+// code's offset is its bits times the row's bytes: bits = 2^23 + code, and 2^23 times
+// 2^10 or more wraps to 0 in 32 bits.
+struct CodeProductTable {
+  static constexpr uint32_t kRowBytes = kThreadsPerBlock * sizeof(float);
+  static_assert(kRowBytes % 1024 == 0, "the code's row from its bits needs 2^10 | row bytes");
+  float* column;
+  __device__ __forceinline__ void set(int candidate, float deq) {
+#pragma unroll
+    for (int c = 0; c < 8; ++c)
+      column[(8 * candidate + c) * kThreadsPerBlock] = mul_rn(e2m1_magnitude(uint8_t(c)), deq);
+  }
+  __device__ __forceinline__ float of(int candidate, uint32_t bits) const {
+    return *reinterpret_cast<const float*>(reinterpret_cast<const char*>(column) +
+                                           8u * kRowBytes * uint32_t(candidate) +
+                                           bits * kRowBytes);
+  }
+};
+
 // Quantises the item's blocks (inputs `in`, two 16-byte words a block) and writes them to the
 // cache at `slot` (>= 0), codes `data_bytes` at a time (16, 8 or 1: StoreCuda's choice). Two blocks
 // of one head vector are adjacent in the page (docs/format.md §4): at 16 their codes go as one
@@ -177,6 +202,11 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
   uint32_t row;
   const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
   QuantizedBlock q[kBlocks];
+  [[maybe_unused]] CodeProductTable table;
+  if constexpr (kSearch == ScaleSearch::k4Over6) {
+    __shared__ float products[2 * 8 * kThreadsPerBlock];
+    table.column = products + threadIdx.x;
+  }
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) {
     const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
@@ -190,7 +220,10 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
     }
     uint32_t signs[2];
     block_signs_of_halves(words, signs);
-    q[blk] = quantize_block(x, signs, factor, kSearch);
+    if constexpr (kSearch == ScaleSearch::k4Over6)
+      q[blk] = quantize_block(x, signs, factor, kSearch, table);
+    else
+      q[blk] = quantize_block(x, signs, factor, kSearch);
   }
   uint8_t* const side = p.kv_cache + page.side_base(w.layer, block, w.side);
   const bool pair = kBlocks == 2 && data_bytes == 16;
