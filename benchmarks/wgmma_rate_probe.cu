@@ -8,8 +8,10 @@
 // Why (benchmarks/NOTES.md, "Where it stands (end of the thirty-seventh session)"): the wide
 // kernel took the same time with ~2 and ~3 CTAs a SM, so a unit the CTAs share limits it; its
 // 16 m64n32k16 a step of 64 positions would be that unit if a narrow product costs the tensor
-// pipe much more than its FLOPs. Written in the thirty-seventh session, not run yet. Build and
-// run on a Hopper GPU, from the repository root:
+// pipe much more than its FLOPs. Written in the thirty-seventh session; run in the
+// thirty-eighth on an H100: m64n32k16 16.0 cycles of the SM a product from two CTAs a SM on,
+// the pipe's full FLOP rate, so not that unit (benchmarks/NOTES.md, "Where it stands (end of
+// the thirty-eighth session)"). Build and run on a Hopper GPU, from the repository root:
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O2 -I ffi -o probe benchmarks/wgmma_rate_probe.cu
 //   ./probe
 #include <cuda_fp16.h>
