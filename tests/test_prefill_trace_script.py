@@ -45,3 +45,53 @@ def test_the_summary_of_a_made_up_trace(capsys):
     # SM 0: one gap of 0.5 us between its two CTAs; SM 1's early CTA is busy for no time.
     assert "p50     0.50" in lines["gap between CTAs on an SM"] and "(1 gaps)" in out, out
     assert "SMs busy: 0.499 of the SMs x the call" in out, out
+
+
+def wide_cta(start, sm, block, steps=128):
+    """A wide-kernel CTA of `steps` steps of 1.5 us from `start` (ns): the sequence found after
+    0.5 us, q staged at 4, the loop done 192 us later, the sums exchanged 1 us after it and warp
+    0's rows written 2 us after that."""
+    row = np.zeros(trace.WIDE.words, np.int64)
+    loop = 4 + 1.5 * steps
+    at = {trace.W_ENTRY: 0, trace.W_FOUND: 0.5, trace.W_Q_STAGED: 4, trace.W_LOOP_DONE: loop,
+          trace.W_SUMMED: loop + 1, trace.W_OUT: loop + 3}
+    for event, us in at.items():
+        row[event] = start + int(1000 * us)
+    row[trace.WIDE.events], row[trace.WIDE.events + 1] = sm, block
+    row[trace.WIDE.events + 2] = steps
+    return row
+
+
+def test_the_wide_kernels_summary_of_a_made_up_trace(capsys):
+    t0 = 2_000_000_000
+    nothing = np.zeros(trace.WIDE.words, np.int64)  # a fill CTA: its start only
+    nothing[trace.W_ENTRY], nothing[trace.WIDE.events] = t0 + 50, 1
+    t = np.stack([wide_cta(t0, 0, 0), wide_cta(t0 + 1000, 1, 8), nothing])
+    trace.describe(t, trace.WIDE)
+    out = capsys.readouterr().out
+    assert "3 CTAs (2 with steps) on 2 SMs; first start to last end 200.0 us" in out, out
+    lines = {line.split("  p10")[0].strip(): line for line in out.splitlines() if "p50" in line}
+    assert "p50     0.50" in lines["start -> sequence found"], out
+    assert "p50     4.00" in lines["start -> q staged, first step landed"], out
+    assert "p50   192.00" in lines["q staged -> loop done"], out
+    assert "p50     1.50" in lines["per step (the loop over its steps)"], out
+    assert "p50     1.00" in lines["loop done -> sums exchanged"], out
+    assert "p50     3.00" in lines["loop done -> rows written (warp 0)"], out
+    assert "p50   199.00" in lines["start -> end"], out
+    # SM 1: the fill CTA (start only, at +0.05 us) then the second CTA (at +1 us): one gap.
+    assert "p50     0.95" in lines["gap between CTAs on an SM"] and "(1 gaps)" in out, out
+
+
+def test_the_wide_kernel_asks_for_its_own_variant():
+    """--kernel wide on a build without the wide trace: exit 2, naming wide_trace.patch."""
+    import os
+    import subprocess
+    import sys
+
+    from scripts import ROOT
+    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "prefill_trace.py"),
+                           "--kernel", "wide"], cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2, done
+    assert "wide_trace.patch" in done.stderr, done.stderr
