@@ -711,6 +711,39 @@ def test_gpu_few_row_kernel_every_row_count(ratio, head_size, layout, bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32], ids=["f16", "f32"])
+@pytest.mark.parametrize("seqs", [((1100, 4), (900, 8), (2000, 1)), ((40, 8),) * 48],
+                         ids=["splits", "one-split"])
+def test_gpu_wide_kernel_writes_every_q_type(seqs, dtype):
+    """The wide path (17 to 32 rows per kv head: 8 tokens x GQA 4 at head size 128, sm_90a) with
+    a 16-bit and a float32 q, where the deterministic cases above have bf16: its outputs in the
+    call's type with one split (48 short sequences: the plan's one split, so the kernel writes
+    out itself) and its float32 partials with split-KV (a few long contexts), unbound and under
+    max_q_len (the wide kernel alone, the decode token's sequence included); against the jnp
+    path."""
+    if rp.few_rows_max(128) < 32:
+        pytest.skip("this GPU or build has no wide path (sm_90a code)")
+    case = shared_case(33, seqs, head_size=128, layout="HND", v_scale_swizzle=True,
+                       block_size=16, num_kv_heads=2)
+    q = case.query(8, dtype, seed=33)
+    splits, _ = rp.plan_splits(1, case.num_tokens, len(case.tables), 2, 8, 128, case.capacity,
+                               jax.devices("gpu")[0].core_count, rp._resident_ctas(128),
+                               rp.few_rows_plan_ctas(True, 8, 8, 2, 128), alone=True,
+                               few_rows=rp.few_rows_max(128))
+    assert (splits == 1) == (len(seqs) == 48), splits
+    ref, ref_lse = _cpu(case.run, q, return_lse=True)
+    gpu = jax.device_put(case.args(q), jax.devices("gpu")[0])
+    bound_q = q_rounding_bound(case, q)
+    for max_q_len in (None, 8):
+        out, lse = (jax.device_get(x) for x in ragged_jit(
+            *gpu, **case.options, return_lse=True, impl="kernel", max_q_len=max_q_len))
+        assert out.dtype == q.dtype and out.shape == q.shape
+        label = f"wide-{np.dtype(dtype).name}-{max_q_len}"
+        assert_out_close(out, ref, q.dtype, roundings=2, label=label)
+        assert_lse_close(lse, ref_lse, KERNEL_LSE_ABS + bound_q, label=label, dtype=q.dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("ratio,head_size,layout,bs", [(4, 128, "HND", 16), (2, 64, "NHD", 12),
                                                        (1, 128, "HND", 16), (8, 128, "NHD", 8)])
 def test_gpu_max_q_len_few_row_kernel_alone(ratio, head_size, layout, bs):
