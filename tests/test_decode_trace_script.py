@@ -17,14 +17,17 @@ from scripts import ROOT, load_script
 trace = load_script("benchmarks/decode_trace.py", "decode_trace_script")
 
 
-@pytest.mark.parametrize("script", ["decode_trace", "prefill_trace"])
-def test_a_build_without_the_trace_exits_2_naming_the_variant(script):
-    """Both trace scripts (attention_bench.trace_refusal): exit 2, naming their variant."""
-    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / f"{script}.py")],
-                          cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+@pytest.mark.parametrize("script,args,variant", [
+    ("decode_trace", [], "decode_trace"), ("prefill_trace", [], "prefill_trace"),
+    ("prefill_trace", ["--kernel", "wide"], "wide_trace")])
+def test_a_build_without_the_trace_exits_2_naming_the_variant(script, args, variant):
+    """The trace scripts (attention_bench.trace_refusal): exit 2, naming their variant (the
+    wide few-row kernel's for prefill_trace.py --kernel wide)."""
+    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / f"{script}.py"),
+                           *args], cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done
-    assert f"{script}.patch" in done.stderr, done.stderr
+    assert f"{variant}.patch" in done.stderr, done.stderr
 
 
 def made_up_trace():

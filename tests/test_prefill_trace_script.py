@@ -81,17 +81,3 @@ def test_the_wide_kernels_summary_of_a_made_up_trace(capsys):
     # SM 1: the fill CTA (start only, at +0.05 us) then the second CTA (at +1 us): one gap.
     assert "p50     0.95" in lines["gap between CTAs on an SM"] and "(1 gaps)" in out, out
 
-
-def test_the_wide_kernel_asks_for_its_own_variant():
-    """--kernel wide on a build without the wide trace: exit 2, naming wide_trace.patch."""
-    import os
-    import subprocess
-    import sys
-
-    from scripts import ROOT
-    done = subprocess.run([sys.executable, "-P", str(ROOT / "benchmarks" / "prefill_trace.py"),
-                           "--kernel", "wide"], cwd=ROOT,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
-                          text=True, timeout=120)
-    assert done.returncode == 2, done
-    assert "wide_trace.patch" in done.stderr, done.stderr
