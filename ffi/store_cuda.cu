@@ -202,11 +202,15 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
   uint32_t row;
   const uint32_t block = shape.block_size.divmod(uint32_t(slot), &row);
   QuantizedBlock q[kBlocks];
-  [[maybe_unused]] CodeProductTable table;
-  if constexpr (kSearch == ScaleSearch::k4Over6) {
-    __shared__ float products[2 * 8 * kThreadsPerBlock];
-    table.column = products + threadIdx.x;
-  }
+  // 4over6's products from the thread's column of the table; the default search takes none.
+  const auto products = [] {
+    if constexpr (kSearch == ScaleSearch::k4Over6) {
+      __shared__ float table[2 * 8 * kThreadsPerBlock];
+      return CodeProductTable{table + threadIdx.x};
+    } else {
+      return CodeProducts{};
+    }
+  }();
 #pragma unroll
   for (int blk = 0; blk < kBlocks; ++blk) {
     const uint32_t words[8] = {in[2 * blk].x,     in[2 * blk].y,     in[2 * blk].z,
@@ -220,10 +224,7 @@ __device__ __forceinline__ void store_item(const StoreProblem& p, const WorkShap
     }
     uint32_t signs[2];
     block_signs_of_halves(words, signs);
-    if constexpr (kSearch == ScaleSearch::k4Over6)
-      q[blk] = quantize_block(x, signs, factor, kSearch, table);
-    else
-      q[blk] = quantize_block(x, signs, factor, kSearch);
+    q[blk] = quantize_block(x, signs, factor, kSearch, products);
   }
   uint8_t* const side = p.kv_cache + page.side_base(w.layer, block, w.side);
   const bool pair = kBlocks == 2 && data_bytes == 16;
