@@ -109,6 +109,20 @@ __device__ __forceinline__ void write_row_lse(const RaggedProblem& p, int64_t ro
       one_split ? lse2 * kLn2 : lse2;
 }
 
+// A query row's partial result of this split in the split-KV workspace [rows, splits, D].
+__device__ __forceinline__ float* partial_row(const RaggedProblem& p, int64_t row, int split,
+                                              int head_size) {
+  return p.partial_out + (row * p.num_splits + split) * head_size;
+}
+
+// Where a query row's float32 values go in this split: its row of out with one split (where out
+// is float32), else its partial_row.
+__device__ __forceinline__ float* row_values_f32(const RaggedProblem& p, int64_t row, int split,
+                                                 int head_size) {
+  return p.num_splits == 1 ? static_cast<float*>(p.out) + row * head_size
+                           : partial_row(p, row, split, head_size);
+}
+
 // Writes the result of a query row that attends to nothing in this split: zeros and -inf (one
 // split) or an empty partial result (the merge then skips it).
 __device__ __forceinline__ void write_empty(const RaggedProblem& p, int64_t row, int split,
@@ -126,7 +140,7 @@ __device__ __forceinline__ void write_result(const RaggedProblem& p, int64_t row
   if (p.num_splits == 1)
     store_out(p.out, p.q_type, row * head_size + d, value * out_scale);
   else
-    p.partial_out[(row * p.num_splits + split) * head_size + d] = value;
+    partial_row(p, row, split, head_size)[d] = value;
   if (d == 0) write_row_lse(p, row, split, lse2);
 }
 

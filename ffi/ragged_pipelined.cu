@@ -413,8 +413,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
     const float factor = out_scale / l[h];
     const auto value = [&](int i, int k) { return empty ? 0.f : o[i][2 * h + k] * factor; };
     if (wide_values) {
-      float* const to = one_split ? static_cast<float*>(p.out) + row * kHead
-                                  : p.partial_out + (row * p.num_splits + split) * kHead;
+      float* const to = row_values_f32(p, row, split, kHead);
 #pragma unroll
       for (int mq = 0; mq < R::kOTiles / 4; ++mq) {
         uint32_t lo[4], hi[4];  // dims pde(j) and pde(j) + 4 of group 4 mq + j
