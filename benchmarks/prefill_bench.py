@@ -4,6 +4,7 @@ a mixed batch) against cuDNN's dense bf16 flash attention and this library's dec
     python benchmarks/prefill_bench.py              # the full grid (GPU); JSON + markdown + PNG
     python benchmarks/prefill_bench.py --quick      # tiny shapes, a smoke run (works on CPU)
     python benchmarks/prefill_bench.py --points chunked1x2048,spec32x4 --only ragged,decode
+    python benchmarks/prefill_bench.py --spec-batches 16,48 --points spec16x8,spec32x8,spec48x8
 
 Grid ("q over c": q new query tokens per sequence after c cached ones, seq_len = c + q, the
 query tokens at positions c .. c + q - 1): chunked1x2048 (1 sequence, 2048 over 32768),
@@ -16,6 +17,8 @@ tokens, HND, swizzled V scales, bf16 q. The cache is filled on the device as in
 attention_bench.py (random codes, scale bytes 0x30..0x58, k_scale = v_scale = 3/448); every call
 reads its own random page order (a fresh permutation of the cache's pages, the shared prefix
 staying shared). --quick: the same kinds of point at contexts of at most 160 tokens.
+--spec-batches B,...: also spec{B}x8, 32 x 8's shape at B sequences (the wide few-row kernel's
+time against its grid: benchmarks/RESULTS.md, "The wide kernel against batch").
 
 Methods, all in one run: ``ragged`` (jax_nvfp4.ragged_paged_attention, impl="auto": the CUDA
 kernel on a GPU, the jnp path elsewhere); ``ragged_bound`` (speculative points: the same call
@@ -212,8 +215,14 @@ def make_point(name, kind, groups, prefix_tokens):
     return point
 
 
-def make_points(quick):
-    return [make_point(*p) for p in (QUICK_POINTS if quick else FULL_POINTS)]
+def spec_points(batches):
+    """spec{B}x8 for each B: spec32x8's shape (8 draft tokens over 8192) at B sequences."""
+    return [(f"spec{b}x8", "spec", [(b, 8, 8192 + 8)], 0) for b in batches]
+
+
+def make_points(quick, spec_batches=()):
+    return [make_point(*p) for p in (QUICK_POINTS if quick else FULL_POINTS)
+            + spec_points(spec_batches)]
 
 
 def sub_workloads(point):
@@ -811,12 +820,19 @@ def markdown(result):
     return "\n".join(lines)
 
 
+def add_spec_batches(parser):
+    parser.add_argument("--spec-batches", type=lambda s: [int(b) for b in s.split(",")],
+                        default=[], metavar="B,...",
+                        help="also the points spec{B}x8: spec32x8's shape at B sequences")
+
+
 def parse_args(argv):
     p = ab.timing_options(__doc__.split("\n\n")[0], METHODS, "chunked1x2048,spec32x4")
     p.add_argument("--q-budget-gib", type=float, default=4.0,
                    help="memory for the per-call queries of a point (bounds the chain length)")
     p.add_argument("--matmul-n", type=int, default=None,
                    help="size of the peak matrix product (default 8192, quick 256)")
+    add_spec_batches(p)
     args = p.parse_args(argv)
     # option: (full grid, --quick), where the command line leaves it out
     defaults = {"repeats": (7, 3), "target_seconds": (0.05, 0.0), "max_chain": (200, 3),
@@ -828,7 +844,7 @@ def parse_args(argv):
     args.ceiling_bytes = int(args.ceiling_gib * GiB)
     args.q_budget_bytes = int(args.q_budget_gib * GiB)
     args.jnp_budget = int(args.jnp_budget_gib * GiB) if args.jnp_budget_gib else ab.memory_budget()
-    grid = make_points(args.quick)
+    grid = make_points(args.quick, args.spec_batches)
     names = [p["name"] for p in grid]
     wanted = ab._csv(args.points, names, "point") if args.points else names
     args.points = [p for p in grid if p["name"] in wanted]

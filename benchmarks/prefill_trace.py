@@ -14,7 +14,7 @@ v25 it has no barrier: v24's trace had two more events, the consumers synced and
 in shared memory); on an H100 (benchmarks/NOTES.md) before ragged v24 ~12 us of prologue and
 ~12 us of epilogue a CTA, after v26 ~6.8 and ~1.3. The wide kernel (ffi/few_rows_wide.cuh with
 the patch: kWideEntry ... kWideOut), at the speculative points with ``max_q_len`` (the bound
-call, which launches it alone): the sequence found, q^T staged with the first step landed, the
+call, which launches it alone; other batch sizes with --spec-batches): the sequence found, q^T staged with the first step landed, the
 loop, the rows' sums exchanged, warp 0's rows written (benchmarks/NOTES.md, "Where it stands
 (end of the thirty-eighth session)": ~15-20 us a CTA outside the steps by a fit).
 
@@ -156,13 +156,14 @@ def main(argv=None):
                         help="prefill_bench points, comma-separated (default: the kernel's: "
                         f"pipelined {PIPELINED.default_points}, wide {WIDE.default_points})")
     parser.add_argument("--launches", type=int, default=2, help="launches traced per point")
+    pb.add_spec_batches(parser)
     args = parser.parse_args(argv)
     kernel = KERNELS[args.kernel]
     refusal = pb.ab.trace_refusal(kernel.script, kernel.name)
     if refusal:
         print(refusal, file=sys.stderr)
         return 2
-    points = {p["name"]: p for p in pb.make_points(False)}
+    points = {p["name"]: p for p in pb.make_points(False, args.spec_batches)}
     for name in (args.points or kernel.default_points).split(","):
         point = points[name]
         inputs = pb.make_inputs(point, ["ragged"], 2, jax.random.PRNGKey(0))

@@ -120,6 +120,13 @@ def test_flops_and_bytes(bench):
     assert full["spec32x4"]["work"]["unique_pages"] == 32 * 513
     assert full["mixed16+2x1024"]["work"]["num_tokens"] == 16 + 2 * 1024
     assert abs(full["chunked1x2048"]["extra_noncausal_pct"] - 3.03) < 0.01
+    # --spec-batches: spec32x8's shape at other batch sizes, after the grid's points.
+    more = bench.make_points(quick=False, spec_batches=(16, 48))
+    assert [q["name"] for q in more[-2:]] == ["spec16x8", "spec48x8"]
+    assert more[-1]["work"]["num_tokens"] == 48 * 8
+    assert more[-1]["work"]["unique_pages"] == 48 * full["spec32x8"]["work"]["unique_pages"] // 32
+    assert bench.parse_args(["--spec-batches", "16,48", "--points", "spec48x8"]).points[0][
+        "name"] == "spec48x8"
 
 
 def test_shared_prefix_survives_the_page_permutation(bench):
