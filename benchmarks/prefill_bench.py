@@ -216,8 +216,10 @@ def make_point(name, kind, groups, prefix_tokens):
 
 
 def spec_points(batches):
-    """spec{B}x8 for each B: spec32x8's shape (8 draft tokens over 8192) at B sequences."""
-    return [(f"spec{b}x8", "spec", [(b, 8, 8192 + 8)], 0) for b in batches]
+    """spec{B}x8 for each B: spec32x8's shape (its draft tokens and context, from FULL_POINTS)
+    at B sequences."""
+    _, kind, [(_, q_len, seq_len)], prefix = next(p for p in FULL_POINTS if p[0] == "spec32x8")
+    return [(f"spec{b}x{q_len}", kind, [(b, q_len, seq_len)], prefix) for b in batches]
 
 
 def make_points(quick, spec_batches=()):

@@ -14,9 +14,10 @@ v25 it has no barrier: v24's trace had two more events, the consumers synced and
 in shared memory); on an H100 (benchmarks/NOTES.md) before ragged v24 ~12 us of prologue and
 ~12 us of epilogue a CTA, after v26 ~6.8 and ~1.3. The wide kernel (ffi/few_rows_wide.cuh with
 the patch: kWideEntry ... kWideOut), at the speculative points with ``max_q_len`` (the bound
-call, which launches it alone; other batch sizes with --spec-batches): the sequence found, q^T staged with the first step landed, the
-loop, the rows' sums exchanged, warp 0's rows written (benchmarks/NOTES.md, "Where it stands
-(end of the thirty-eighth session)": ~15-20 us a CTA outside the steps by a fit).
+call, which launches it alone; other batch sizes with --spec-batches): the sequence found, q^T
+staged with the first step landed, the loop, the rows' sums exchanged, warp 0's rows written
+(benchmarks/NOTES.md, "Where it stands (end of the thirty-eighth session)": ~15-20 us a CTA
+outside the steps by a fit).
 
     benchmarks/ab.sh --patch benchmarks/variants/prefill_trace.patch --a none --rounds 1 -- \\
         python3 -P benchmarks/prefill_trace.py --points chunked8x512,chunked1x2048
