@@ -523,7 +523,14 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       exchange[warp * kFewRowsWide + 8 * (c >> 1) + 2 * qd + (c & 1)] = l[c];
   }
   __syncthreads();
-  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+  // Each column's 4 consecutive dims of this lane (32 w + 4 g .. + 3: o[j][.] at 2 j + hh) go
+  // in one store (16 bytes of float32, 8 of a 16-bit out), so that a warp's store writes 4
+  // rows x 128 contiguous bytes; one division a column (out_scale / sum), then a product a
+  // value, as the pipelined kernel's epilogue (ragged v25). (Before: write_result a value, its
+  // IEEE division each, 32 scattered 4-byte stores a thread.)
+  const bool one_split = p.num_splits == 1;
+  const float out_scale = one_split ? p.v_scale[p.v_scale_stacked ? member : 0] * 128.f : 1.f;
+  const int d0 = 32 * warp + 4 * g;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
@@ -536,18 +543,22 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // 0; a row whose every score was NaN (a NaN in q) also keeps kWideUnseen, but its sum is
     // NaN: a NaN row (value and lse), as on every other path.
     const bool empty = m[c] == kWideUnseen && !isnan(sum);
-    const float lse2 = m[c] + __log2f(sum);
+    if (d0 == 0) write_row_lse(p, row, split, empty ? -INFINITY : m[c] + __log2f(sum));
+    if (empty && !one_split) continue;  // an empty partial: the merge skips it by its lse
+    const float factor = out_scale / sum;
+    float v[4];
 #pragma unroll
     for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int d = 32 * warp + 4 * g + 2 * j + hh;
-        const float value = o[j][4 * (c >> 1) + 2 * hh + (c & 1)];
-        if (empty)
-          write_empty(p, row, split, d, kHead);
-        else
-          write_result(p, row, split, d, kHead, value / sum, lse2, out_scale);
-      }
+      for (int hh = 0; hh < 2; ++hh)
+        v[2 * j + hh] = empty ? 0.f : o[j][4 * (c >> 1) + 2 * hh + (c & 1)] * factor;
+    if (one_split && p.q_type != QType::kF32) {
+      *reinterpret_cast<uint2*>(static_cast<uint16_t*>(p.out) + row * kHead + d0) =
+          make_uint2(pack_out16x2(p.q_type, v[0], v[1]), pack_out16x2(p.q_type, v[2], v[3]));
+    } else {
+      *reinterpret_cast<float4*>(row_values_f32(p, row, split, kHead) + d0) =
+          make_float4(v[0], v[1], v[2], v[3]);
+    }
   }
 #else
   __trap();  // launched only where the build has sm_90a code (FewRowsMaxRows)
