@@ -529,7 +529,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   // value, as the pipelined kernel's epilogue (ragged v25). (Before: write_result a value, its
   // IEEE division each, 32 scattered 4-byte stores a thread.)
   const bool one_split = p.num_splits == 1;
-  const float out_scale = one_split ? p.v_scale[p.v_scale_stacked ? member : 0] * 128.f : 1.f;
+  const float out_scale = split_out_scale(p, member);
   const int d0 = 32 * warp + 4 * g;
 #pragma unroll
   for (int c = 0; c < 8; ++c) {

@@ -379,7 +379,7 @@ __global__ void __launch_bounds__(kMergeThreads) RaggedMergeKernel(const RaggedP
   const float4 value = merge_splits(
       p.num_splits, [&](int s) { return lse[s]; },
       [&](int s) { return *reinterpret_cast<const float4*>(partial + s * kHead); }, &lse2);
-  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+  const float out_scale = member_out_scale(p, member);
   const int64_t at = row * kHead + d;
   store_out(p.out, p.q_type, at, value.x * out_scale);
   store_out(p.out, p.q_type, at + 1, value.y * out_scale);

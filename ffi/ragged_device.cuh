@@ -99,6 +99,17 @@ __device__ __forceinline__ void stmatrix_x4_trans(void* p, uint32_t r0, uint32_t
 // dims 0, 4, 2, 6, 1, 5, 3, 7); position 2c + 1 holds dimension kPermutedDim(2c) + 4.
 __device__ __forceinline__ int permuted_dim_even(int c) { return ((c & 1) << 1) | (c >> 1); }
 
+// The factor a member's normalised values are stored with in out: its v_scale x 2^7 (the
+// kernels' fp16 V values are the values / v_scale x 2^-7: ragged_tiles.cuh, convert_vector).
+__device__ __forceinline__ float member_out_scale(const RaggedProblem& p, int32_t member) {
+  return p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+}
+// The factor a split's values are stored with: member_out_scale with one split (into out), 1
+// for a partial result (the merge kernel scales the merged row).
+__device__ __forceinline__ float split_out_scale(const RaggedProblem& p, int32_t member) {
+  return p.num_splits == 1 ? member_out_scale(p, member) : 1.f;
+}
+
 // A query row's lse in this split from its log2 lse: natural log into lse with one split, the
 // log2 partial for the merge kernel otherwise. -inf (nothing attended) and NaN (a rule broken)
 // stay what they are through the product.

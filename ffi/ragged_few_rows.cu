@@ -120,7 +120,7 @@ __device__ __forceinline__ void attend_few_rows(const RaggedProblem& p, const Ra
         first_chunk_pages<kHead>(pv, begin, last_end, warp), st);
   }
 
-  const float out_scale = p.v_scale[p.v_scale_stacked ? member : 0] * 128.f;
+  const float out_scale = member_out_scale(p, member);
   merge_warps<kHead, kNT>(st, reinterpret_cast<float*>(smem), rows, warp, lane,
                           [&](int r, int d, float value, float lse2) {
                             const int64_t row = seq.q_row(r);

@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kPipeThreads, 1)
   l[1] = sums[2];
   const bool one_split = p.num_splits == 1;
   const bool wide_values = !one_split || p.q_type == QType::kF32;  // float32 out
-  const float out_scale = one_split ? p.v_scale[p.v_scale_stacked ? member : 0] * 128.f : 1.f;
+  const float out_scale = split_out_scale(p, member);
   const bool low_bit = qd & 1, high_bit = qd & 2;
   // a[j]: this lane's word of group 4m + j -> lane j's word of group 4m + qd.
   const auto quad_transpose = [&](uint32_t(&a)[4]) {
