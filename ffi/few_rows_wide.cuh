@@ -79,16 +79,19 @@ struct WideShape {
   static constexpr int kVScaleAt = kKScaleAt + kWideStep * kScaleBytes;
   static constexpr int kStageBytes = kVScaleAt + kWideStep * kScaleBytes;
   // Shared memory: q^T, P^T (both 1024-byte aligned), the ring, then per row (column of N):
-  // the score scale, the end of its positions, and a float per warp for the exchanges.
+  // its output row (-1 past the sequence's rows), the score scale, the end of its positions,
+  // and a float per warp for the exchanges.
   static constexpr int kQAt = 0;
   static constexpr int kPAt = kQAt + kQBytes;
   static constexpr int kRingAt = kPAt + kPBytes;
-  static constexpr int kColScaleAt = kRingAt + kWideStages * kStageBytes;
+  static constexpr int kColRowAt = kRingAt + kWideStages * kStageBytes;
+  static constexpr int kColScaleAt = kColRowAt + kFewRowsWide * 8;
   static constexpr int kColLimitAt = kColScaleAt + kFewRowsWide * 4;
   static constexpr int kExchangeAt = kColLimitAt + kFewRowsWide * 4;
   static constexpr int kSmemBytes = kExchangeAt + 4 * kFewRowsWide * 4;
   static_assert(kQBytes % 1024 == 0 && kPBytes % 1024 == 0, "whole 128-byte swizzle atoms");
   static_assert(kStageBytes % 16 == 0, "16-byte aligned stages");
+  static_assert(kColRowAt % 8 == 0, "the columns' 64-bit rows aligned");
 };
 
 // Position (within its 16) of index kk of a k16 step of O^T (and of row kk of a warp's 16 rows
@@ -104,6 +107,13 @@ __device__ __forceinline__ int wide_position(int kk) {
 __device__ __forceinline__ int wide_v_code_at(int p, int c) {
   return WideShape::kVCodeAt + p * WideShape::kCodeBytes + ((c ^ ((p >> 2) & 3)) << 4);
 }
+
+// Where one position of a step is: its page (0 at or past the end: never read) and the plane
+// rows from the kv head's row to its page row.
+struct WideEntry {
+  int32_t entry;
+  uint32_t row_off;
+};
 
 // One thread's share of the ring's copies: position p = t % kWideStep of each step, side
 // t / kWideStep (K, V), zero-filled at or past `end`. The block-table entry of the next step
@@ -124,8 +134,7 @@ struct WideCopy {
   uint32_t p;
   uint32_t code_to;   // shared address in stage 0 of this position's codes (piece 0 swizzled)
   uint32_t scale_to;  // and of its scale bytes
-  int32_t entry = 0;    // fetched: the page of this thread's position of the next step,
-  uint32_t row_off = 0; // and the plane rows from head_row to its page row
+  WideEntry next{};  // fetched: where this thread's position of the next step is
 
   __device__ __forceinline__ WideCopy(const PageView<kLayout>& view, uint32_t end_,
                                       const uint8_t* ring)
@@ -143,27 +152,32 @@ struct WideCopy {
   // Swizzled V scales: rows 4k .. 4k + 3 of a page hold the scales of those 4 positions
   // together, so a group with any position before `end` is copied whole (its rows are in the
   // same page: block sizes are multiples of 4); the reader masks the bytes past `end`.
-  __device__ __forceinline__ void fetch(uint32_t base) {
+  __device__ __forceinline__ WideEntry lookup(uint32_t base) const {
     const uint32_t pos = base + p;
     uint32_t row;
     const uint32_t index = pv.block_size.divmod(pos, &row);
-    entry = (pos & ~3u) < end ? __ldg(pv.table + index) : 0;
-    row_off = uint32_t(pv.plane_row(row) - pv.head_row);
+    return {(pos & ~3u) < end ? __ldg(pv.table + index) : 0,
+            uint32_t(pv.plane_row(row) - pv.head_row)};
   }
-  // The fetched step's bytes (positions [base, base + kWideStep)) into the stage at byte
-  // `stage_at` of the ring. (A position past `end` has entry 0 and a row inside the page: its
-  // sources are addresses inside the cache, never read.)
+  __device__ __forceinline__ void fetch(uint32_t base) { next = lookup(base); }
+  // The step's bytes (positions [base, base + kWideStep)) into the stage at byte `stage_at` of
+  // the ring, from where `at` says (the fetched step's by default). (A position past `end` has
+  // entry 0 and a row inside the page: its sources are addresses inside the cache, never read.)
   __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base) const {
+    copy(stage_at, base, next);
+  }
+  __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base,
+                                       const WideEntry& at) const {
     const uint32_t pos = base + p;
     const bool valid = pos < end, group_valid = (pos & ~3u) < end;
     const bool v_side = threadIdx.x >= kWideStep;
-    const uint8_t* const page = side_at_head + pv.page_offset(entry);
-    const uint8_t* const codes = page + row_off * W::kCodeBytes;
+    const uint8_t* const page = side_at_head + pv.page_offset(at.entry);
+    const uint8_t* const codes = page + at.row_off * W::kCodeBytes;
     const uint32_t to = code_to + stage_at;
 #pragma unroll
     for (int c = 0; c < W::kCodeBytes / 16; ++c)
       copy_async_to<16>(to ^ (16u * c), codes + 16 * c, valid);
-    copy_async_to<8>(scale_to + stage_at, page + scale_from_row0 + row_off * W::kScaleBytes,
+    copy_async_to<8>(scale_to + stage_at, page + scale_from_row0 + at.row_off * W::kScaleBytes,
                      v_side && kSwizzle ? group_valid : valid);
   }
 };
@@ -191,19 +205,28 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   uint8_t* const ring = smem + W::kRingAt;
   float* const col_scale = reinterpret_cast<float*>(smem + W::kColScaleAt);
   uint32_t* const col_limit = reinterpret_cast<uint32_t*>(smem + W::kColLimitAt);
+  int64_t* const col_row = reinterpret_cast<int64_t*>(smem + W::kColRowAt);
   float* const exchange = reinterpret_cast<float*>(smem + W::kExchangeAt);  // [warp][column]
 
   const uint32_t begin = uint32_t(seq.begin), end = uint32_t(seq.last_end);
   const int num_steps = int((end - begin + kWideStep - 1) / kWideStep);
   const auto step_base = [&](int i) { return begin + uint32_t(i * kWideStep); };
   // The ring's first stages, one copy group a step (empty past the last: the waits count groups).
+  // Their block-table entries and q's row are loaded together before any copy, so that the
+  // prologue waits one round trip for all of them (a stage's copy needs its entry: in a loop of
+  // lookup then copy, each stage's entry was a round trip of its own).
   WideCopy<kSwizzle, kLayout> copier(pv, end, ring);
-#pragma unroll 1
+  WideEntry first[kWideStages];
+#pragma unroll
+  for (int i = 0; i < kWideStages; ++i) first[i] = copier.lookup(step_base(i));
+  const int q_r = 8 * warp + g;  // the row of q this lane converts (below)
+  const int64_t q_at = (q_r < rows ? seq.q_row(q_r) : 0) * kHead;
+  const LaneQ<kHead> q_lane = load_lane_q<kHead>(p.q, p.q_type, q_at, q_r < rows, lane);
+  const float k_times_sm_scale =
+      p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
+#pragma unroll
   for (int i = 0; i < kWideStages; ++i) {
-    if (i < num_steps) {
-      copier.fetch(step_base(i));
-      copier.copy(uint32_t(i * W::kStageBytes), step_base(i));
-    }
+    if (i < num_steps) copier.copy(uint32_t(i * W::kStageBytes), step_base(i), first[i]);
     copy_async_commit();
   }
   if (kWideStages < num_steps) copier.fetch(step_base(kWideStages));
@@ -212,26 +235,26 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   // and stores them where the K-major operand has them: k-step s's words 0 and 1 at K
   // 16 s + 2 q and 16 s + 8 + 2 q of row 8 w + g.
   {
-    const float k_times_sm_scale =
-        p.k_scale[p.k_scale_stacked ? member : 0] * p.sm_scale[p.sm_scale_stacked ? member : 0];
-    const int r = 8 * warp + g;
     uint32_t f[Shape<kHead>::kKTiles][2];
     float scale[2];
-    q_fragments<kHead>(p.q, p.q_type, (r < rows ? seq.q_row(r) : 0) * kHead, r < rows,
-                       k_times_sm_scale, lane, f, scale);
+    q_fragments<kHead>(q_lane, k_times_sm_scale, lane, f, scale);
 #pragma unroll
     for (int s = 0; s < Shape<kHead>::kKTiles; ++s)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int k = 16 * s + 8 * h + 2 * qd;
         *reinterpret_cast<uint32_t*>(q_t + (k >> 6) * W::kBBlockBytes +
-                                     swizzle128_offset(r, k & 63)) = f[s][h];
+                                     swizzle128_offset(q_r, k & 63)) = f[s][h];
       }
     if (g == 0) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         col_scale[8 * warp + 2 * qd + h] = scale[h];
         col_limit[8 * warp + 2 * qd + h] = seq.row_end(8 * warp + 2 * qd + h);
+        // (Worked out here, while the sequence's fields are in registers: in the epilogue
+        // they had been spilled, two dependent local loads a column.)
+        col_row[8 * warp + 2 * qd + h] =
+            8 * warp + 2 * qd + h < rows ? seq.q_row(8 * warp + 2 * qd + h) : -1;
       }
     }
   }
@@ -534,11 +557,11 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
-    if (col >= rows) continue;
+    const int64_t row = col_row[col];
+    if (row < 0) continue;  // past the sequence's rows (a real row is >= 0: start is clamped)
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < 4; ++w) sum += exchange[w * kFewRowsWide + col];
-    const int64_t row = seq.q_row(col);
     // A row saw nothing in this split where its reference is still kWideUnseen and its sum is
     // 0; a row whose every score was NaN (a NaN in q) also keeps kWideUnseen, but its sum is
     // NaN: a NaN row (value and lse), as on every other path.
