@@ -201,6 +201,9 @@ def test_few_rows_plan_ctas_rule(monkeypatch):
                           few_rows=rp.FEW_ROWS_WIDE) == (3, 2752)
     assert rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 2, alone=True,
                           few_rows=rp.FEW_ROWS_WIDE) == (1, 8192)
+    # At 4 CTAs per SM (528 slots) the same call fits 2 splits in one wave (512 CTAs).
+    assert rp.plan_splits(1, 256, 32, 8, 32, 128, 8192, 132, 2, 4, alone=True,
+                          few_rows=rp.FEW_ROWS_WIDE) == (2, 4096)
 
 
 def test_token_plan_rules():
