@@ -161,11 +161,8 @@ struct WideCopy {
   }
   __device__ __forceinline__ void fetch(uint32_t base) { next = lookup(base); }
   // The step's bytes (positions [base, base + kWideStep)) into the stage at byte `stage_at` of
-  // the ring, from where `at` says (the fetched step's by default). (A position past `end` has
+  // the ring, from where `at` says (`next` for the fetched step). (A position past `end` has
   // entry 0 and a row inside the page: its sources are addresses inside the cache, never read.)
-  __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base) const {
-    copy(stage_at, base, next);
-  }
   __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base,
                                        const WideEntry& at) const {
     const uint32_t pos = base + p;
@@ -500,7 +497,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // The copies of step i + kWideStages into this step's stage (every warp done reading it).
     const auto refill = [&] {
       if (i + kWideStages < num_steps) {
-        copier.copy(stage_at, step_base(i + kWideStages));
+        copier.copy(stage_at, step_base(i + kWideStages), copier.next);
         if (i + kWideStages + 1 < num_steps) copier.fetch(step_base(i + kWideStages + 1));
       }
       copy_async_commit();
