@@ -8,7 +8,8 @@
 Compiles one file of ``ffi/`` for sm_90a with the build's flags (CMakeLists.txt: ``--fmad=false
 --ftz=true``, C++17, ``-O3``; nvcc from PATH, the XLA FFI headers from jaxlib) into a cubin,
 disassembles it (``cuobjdump -sass``: the CUDA toolkit's, or pip's ``nvidia-cuda-cuobjdump``),
-and prints every kernel's registers, spill bytes (ptxas ``-v``) and static instructions. With
+and prints every kernel's registers, spill bytes (ptxas ``-v``) and static instructions, and
+whether ptxas serialised its ``wgmma`` (see :func:`serialized_wgmma`). With
 ``--patch`` it compiles a copy of the tree with the patch applied (a variant of
 ``benchmarks/variants/``); ``--sass FILE`` reads a saved disassembly instead of compiling.
 
@@ -71,6 +72,23 @@ def resources(ptxas_log):
         frame = re.search(r"(\d+) bytes stack frame", m.group(2))
         out[m.group(1)] = (int(m.group(3)), stores, loads, int(frame.group(1)) if frame else 0)
     return out
+
+
+#: ptxas's note that it made every wgmma of a function wait for the one before (C7512, C7513,
+#: ...): the tensor core's products then no longer overlap each other or the code around them.
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async "
+                         r"instructions are serialized due to (.+?) (?:for|in) the function "
+                         r"'(\S+)'")
+
+
+def serialized_wgmma(ptxas_log):
+    """``{mangled name: (code, reason)}`` of the kernels whose ``wgmma`` ptxas serialised, from
+    its log (``-Xptxas -v`` prints the note). Ragged v34 (the wide kernel capped at 128
+    registers) had it, "insufficient register resources", and ran ~22% slower a CTA at the same
+    placement; a wait for a product under a branch in the loop gives "non wgmma instructions
+    defining input registers of a wgmma between start and end of the pipeline stage". Count
+    it before a GPU run: the static counts do not show it."""
+    return {m.group(3): (m.group(1), m.group(2)) for m in _SERIALIZED.finditer(ptxas_log)}
 
 
 def opcode(text):
@@ -138,18 +156,30 @@ def ffi_include():
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
+def _compile(tree, source, defines, cubin):
+    """Compiles ``tree/source`` with NVCC_FLAGS into ``cubin``; returns ptxas's log."""
+    cmd = [_tool("nvcc"), *NVCC_FLAGS, f"-I{ffi_include()}", f"-I{os.path.join(tree, 'ffi')}",
+           *(f"-D{d}" for d in defines), "-o", cubin, os.path.join(tree, source)]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
+    if done.returncode != 0:
+        raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return done.stderr
+
+
+def ptxas_log(tree, source, defines=()):
+    """ptxas's log (``-v``) of ``tree/source`` compiled with NVCC_FLAGS (nvcc only)."""
+    with tempfile.TemporaryDirectory() as work:
+        return _compile(tree, source, defines, os.path.join(work, "out.cubin"))
+
+
 def compile_sass(tree, source, defines=()):
     """(disassembly, ptxas log) of ``tree/source`` compiled with NVCC_FLAGS."""
     with tempfile.TemporaryDirectory() as work:
         cubin = os.path.join(work, "out.cubin")
-        cmd = [_tool("nvcc"), *NVCC_FLAGS, f"-I{ffi_include()}", f"-I{os.path.join(tree, 'ffi')}",
-               *(f"-D{d}" for d in defines), "-o", cubin, os.path.join(tree, source)]
-        done = subprocess.run(cmd, capture_output=True, text=True, cwd=tree)
-        if done.returncode != 0:
-            raise SystemExit(f"nvcc failed ({done.returncode}):\n{done.stderr[-4000:]}")
+        log = _compile(tree, source, defines, cubin)
         sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True,
                               text=True, check=True).stdout
-        return sass, done.stderr
+        return sass, log
 
 
 def patched_tree(patch, work):
@@ -165,12 +195,15 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout):
     path's length (None without ``loop``)."""
     kernels = functions(sass)
     used = resources(ptxas_log)
+    serialized = serialized_wgmma(ptxas_log)
     for name, instructions in kernels.items():
         regs, stores, loads, frame = used.get(name, (None, None, None, None))
         spill = f", spills {stores} / {loads} B" if stores or loads else ""
         stack = f", stack frame {frame} B" if frame else ""
-        print(f"{len(instructions):6d} instructions, {regs} registers{spill}{stack}: {name}",
-              file=out)
+        waits = (f", WGMMA SERIALIZED ({serialized[name][0]}: {serialized[name][1]})"
+                 if name in serialized else "")
+        print(f"{len(instructions):6d} instructions, {regs} registers{spill}{stack}{waits}: "
+              f"{name}", file=out)
     if not loop:
         return None
     matches = [n for n in kernels if loop in n]

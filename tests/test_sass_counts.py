@@ -1,9 +1,13 @@
 """benchmarks/sass_counts.py's reading of a disassembly and of ptxas's log, on a synthetic
 listing shaped like cuobjdump's (no nvcc needed): the kernels, their resources, the largest
 loop with tensor-core instructions and its common path (less the checked alternative a
-two-predicate branch jumps over and the O rescale block)."""
+two-predicate branch jumps over and the O rescale block), ptxas's note of serialised wgmma; and,
+where nvcc is on PATH (CI has it), that no shipped wgmma kernel carries that note."""
 
 import io
+import shutil
+
+import pytest
 
 from scripts import load_script
 
@@ -71,3 +75,55 @@ def test_opcode_drops_predicates_and_modifiers():
     assert sc.opcode("@!P0 IMAD.WIDE.U32 R4, R5, UR6, R8") == "IMAD"
     assert sc.opcode("@UP1 LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64]") == "LDGSTS"
     assert sc.opcode("HGMMA.64x64x16.F32 R24, gdesc[UR4], R24") == "HGMMA"
+
+
+def test_serialized_wgmma_read_from_the_log():
+    """ptxas's two notes seen on the wide kernel (ragged v34 and v36, benchmarks/NOTES.md), one
+    kernel each; a kernel without a note is not listed."""
+    log = ("ptxas info    : Compiling entry function '_Z4widev' for 'sm_90a'\n"
+           "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are "
+           "serialized due to insufficient register resources for the function '_Z4widev'\n"
+           "ptxas info    : Used 128 registers\n"
+           "ptxas info    : Compiling entry function '_Z5stepsv' for 'sm_90a'\n"
+           "ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are "
+           "serialized due to non wgmma instructions defining input registers of a wgmma "
+           "between start and end of the pipeline stage in the function '_Z5stepsv'\n"
+           "ptxas info    : Used 154 registers\n"
+           "ptxas info    : Compiling entry function '_Z4finev' for 'sm_90a'\n"
+           "ptxas info    : Used 168 registers\n")
+    assert sc.serialized_wgmma(log) == {
+        "_Z4widev": ("C7512", "insufficient register resources"),
+        "_Z5stepsv": ("C7513", "non wgmma instructions defining input registers of a wgmma "
+                               "between start and end of the pipeline stage")}
+    sass = "".join(_listing(name, ["HGMMA.64x32x16.F32 R24, R8, gdesc[UR4], R24", "EXIT"])
+                   for name in ("_Z4widev", "_Z4finev"))
+    out = io.StringIO()
+    sc.report(sass, log, out=out)
+    lines = out.getvalue().splitlines()
+    assert "WGMMA SERIALIZED (C7512: insufficient register resources): _Z4widev" in lines[0]
+    assert "SERIALIZED" not in lines[1] and lines[1].endswith("168 registers: _Z4finev")
+
+
+_NVCC = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit)")
+
+
+@_NVCC
+@pytest.mark.parametrize("source", ["ffi/ragged_cuda.cu", "ffi/ragged_pipelined.cu",
+                                    "ffi/ragged_few_rows.cu"])
+def test_shipped_wgmma_kernels_are_not_serialized(source):
+    """No kernel of the files with wgmma (sm_90a, the build's flags) has ptxas's serialisation
+    note: it makes every product wait for the one before, a silent slowdown (ragged v34: ~22%
+    a CTA) that no CPU test and no correctness test on a GPU would see."""
+    log = sc.ptxas_log(str(sc.ROOT), source)
+    assert "Compiling entry function" in log  # ptxas -v ran and logged
+    assert sc.serialized_wgmma(log) == {}, sc.serialized_wgmma(log)
+
+
+@_NVCC
+def test_the_serialisation_check_sees_a_serialised_kernel():
+    """The check above can fail: the wide kernel built for four CTAs a SM (ragged v34, 128
+    registers) is serialised, and the note is read from this nvcc's log. (If nvcc words it
+    otherwise one day, this fails instead of the check going blind.)"""
+    log = sc.ptxas_log(str(sc.ROOT), "ffi/ragged_few_rows.cu", ["NVFP4_WIDE_MIN_CTAS=4"])
+    serialized = sc.serialized_wgmma(log)
+    assert serialized and all("WideRowsKernel" in name for name in serialized), serialized
