@@ -7,9 +7,9 @@
 Where the few-row kernels serve a ragged call alone (a bound ``max_q_len``: speculative
 decoding's verify step, prefill_bench's "max_q_len = q" row), ``ragged_primitive.plan_splits``
 picks the split-KV plan from a model of waves (``attention_primitive.plan_splits_for_units``).
-The model counts a resident CTA as fast whatever else shares its SM, which the wide kernel
-(ragged v34's A/B: a CTA ~22% slower at four a SM than at two) and the thirty-eighth session's
-fit (~20% slower at three than at two) say it is not. This runs the benchmark with that plan
+The model counts a resident CTA as fast whatever else shares its SM, which the wide kernel's
+timings say it is not (the thirty-eighth session's fit, benchmarks/NOTES.md: a step ~20% slower
+at three CTAs a SM than at two). This runs the benchmark with that plan
 replaced by ``--splits`` splits of equal length (a multiple of the kernel's 64-position step),
 so that the model's choice can be measured against its neighbours in one lease, one process per
 plan. Every other call keeps its plan; each planned call prints its plan ("plan_sweep: ...").
