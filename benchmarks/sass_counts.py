@@ -13,6 +13,10 @@ whether ptxas serialised its ``wgmma`` (see :func:`serialized_wgmma`). With
 ``--patch`` it compiles a copy of the tree with the patch applied (a variant of
 ``benchmarks/variants/``); ``--sass FILE`` reads a saved disassembly instead of compiling.
 
+``--live`` adds each kernel's live registers (``nvdisasm --print-life-ranges``: the general
+registers live at each instruction), and with ``--loop`` the loop's peak and where it is: what
+the register budget of a launch bound has to hold (ragged v36 and v37, benchmarks/NOTES.md).
+
 ``--loop SUBSTRING``: for the first kernel whose mangled name contains it, the largest loop (a
 backward branch) that holds tensor-core instructions (HMMA or HGMMA): its static instructions,
 and the **common path** of the decode and few-row kernels' chunk loop: the loop less the
@@ -89,6 +93,39 @@ def serialized_wgmma(ptxas_log):
     defining input registers of a wgmma between start and end of the pipeline stage". Count
     it before a GPU run: the static counts do not show it."""
     return {m.group(3): (m.group(1), m.group(2)) for m in _SERIALIZED.finditer(ptxas_log)}
+
+
+_LIVE_TEXT = re.compile(r"^\.text\.(\S+?):")
+_LIVE_LABEL = re.compile(r"^(\.L_\w+):")
+_LIVE_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);\s*//\s*\|\s*(\d*)\s*\|")
+_LIVE_TARGET = re.compile(r"`\((\.L_\w+)\)")
+
+
+def live_registers(listing):
+    """``{mangled name: [(address, instruction text, live general registers)]}`` of an
+    ``nvdisasm --print-life-ranges --life-range-mode count`` listing. Branch targets (labels
+    there) are written as addresses, as ``cuobjdump -sass`` gives them, so that
+    :func:`largest_loop` reads both."""
+    rows, labels, name, pending = {}, {}, None, []
+    for line in listing.splitlines():
+        text = _LIVE_TEXT.match(line)
+        if text:
+            name, pending = text.group(1), []
+            rows[name], labels[name] = [], {}
+        elif name is not None and _LIVE_LABEL.match(line):
+            pending.append(_LIVE_LABEL.match(line).group(1))
+        elif name is not None and _LIVE_INSTRUCTION.search(line):
+            m = _LIVE_INSTRUCTION.search(line)
+            address = int(m.group(1), 16)
+            labels[name].update((label, address) for label in pending)
+            pending = []
+            rows[name].append((address, m.group(2).strip(), int(m.group(3) or 0)))
+
+    def addressed(name, text):
+        return _LIVE_TARGET.sub(lambda t: hex(labels[name].get(t.group(1), -1)), text)
+
+    return {name: [(a, addressed(name, text), live) for a, text, live in body]
+            for name, body in rows.items()}
 
 
 def opcode(text):
@@ -172,6 +209,16 @@ def ptxas_log(tree, source, defines=()):
         return _compile(tree, source, defines, os.path.join(work, "out.cubin"))
 
 
+def live_listing(tree, source, defines=()):
+    """``nvdisasm --print-life-ranges --life-range-mode count`` of ``tree/source`` compiled with
+    NVCC_FLAGS (for :func:`live_registers`)."""
+    with tempfile.TemporaryDirectory() as work:
+        cubin = os.path.join(work, "out.cubin")
+        _compile(tree, source, defines, cubin)
+        return subprocess.run([_tool("nvdisasm"), "-plr", "-lrm", "count", cubin],
+                              capture_output=True, text=True, check=True).stdout
+
+
 def compile_sass(tree, source, defines=()):
     """(disassembly, ptxas log) of ``tree/source`` compiled with NVCC_FLAGS."""
     with tempfile.TemporaryDirectory() as work:
@@ -190,10 +237,12 @@ def patched_tree(patch, work):
     return work
 
 
-def report(sass, ptxas_log, loop=None, out=sys.stdout):
+def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None):
     """Prints every kernel's resources and size, and ``loop``'s counts; returns the common
-    path's length (None without ``loop``)."""
+    path's length (None without ``loop``). ``live``: :func:`live_registers` of the same code,
+    whose peaks are printed too."""
     kernels = functions(sass)
+    live = live or {}
     used = resources(ptxas_log)
     serialized = serialized_wgmma(ptxas_log)
     for name, instructions in kernels.items():
@@ -202,7 +251,8 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout):
         stack = f", stack frame {frame} B" if frame else ""
         waits = (f", WGMMA SERIALIZED ({serialized[name][0]}: {serialized[name][1]})"
                  if name in serialized else "")
-        print(f"{len(instructions):6d} instructions, {regs} registers{spill}{stack}{waits}: "
+        peak = (f", at most {max(r[2] for r in live[name])} live" if live.get(name) else "")
+        print(f"{len(instructions):6d} instructions, {regs} registers{spill}{stack}{waits}{peak}: "
               f"{name}", file=out)
     if not loop:
         return None
@@ -215,6 +265,11 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout):
     path = common_path(body)
     print(f"\n{matches[0]}\n  loop 0x{body[0][0]:x}-0x{body[-1][0]:x}: {len(body)} static, "
           f"common path {len(path)}\n  {histogram(path)}", file=out)
+    rows = [r for r in live.get(matches[0], []) if body[0][0] <= r[0] <= body[-1][0]]
+    if rows:
+        address, text, most = max(rows, key=lambda r: r[2])
+        print(f"  live registers in the loop: at most {most}, first at 0x{address:x} ({text})",
+              file=out)
     return len(path)
 
 
@@ -225,6 +280,8 @@ def main(argv=None):
     p.add_argument("--patch", help="compile with this patch applied to a copy of ffi/")
     p.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                    help="a preprocessor definition (a build option)")
+    p.add_argument("--live", action="store_true",
+                   help="also the live registers (nvdisasm --print-life-ranges; needs nvdisasm)")
     p.add_argument("--sass", help="a saved cuobjdump -sass listing instead of compiling")
     p.add_argument("--ptxas", help="with --sass: the ptxas -v log that goes with it")
     args = p.parse_args(argv)
@@ -235,12 +292,12 @@ def main(argv=None):
         return report(sass, ptxas_log, args.loop)
     if not args.source:
         p.error("a source file (or --sass) is needed")
-    if args.patch:
-        with tempfile.TemporaryDirectory() as work:
-            sass, log = compile_sass(patched_tree(args.patch, work), args.source, args.defines)
-    else:
-        sass, log = compile_sass(ROOT, args.source, args.defines)
-    return report(sass, log, args.loop)
+    with tempfile.TemporaryDirectory() as work:
+        tree = patched_tree(args.patch, work) if args.patch else ROOT
+        sass, log = compile_sass(tree, args.source, args.defines)
+        live = (live_registers(live_listing(tree, args.source, args.defines)) if args.live
+                else None)
+    return report(sass, log, args.loop, live=live)
 
 
 if __name__ == "__main__":

@@ -127,3 +127,44 @@ def test_the_serialisation_check_sees_a_serialised_kernel():
     log = sc.ptxas_log(str(sc.ROOT), "ffi/ragged_few_rows.cu", ["NVFP4_WIDE_MIN_CTAS=4"])
     serialized = sc.serialized_wgmma(log)
     assert serialized and all("WideRowsKernel" in name for name in serialized), serialized
+
+
+def _live_listing():
+    """nvdisasm --print-life-ranges --life-range-mode count's shape: a text section per kernel,
+    labels as branch targets, the live count in the first trailing column."""
+    def row(address, text, live):
+        return (f"        /*{address:04x}*/                   {text} ;"
+                f"                                   // |  {live:3d}  |   1    |        |")
+    return "\n".join([
+        "\t.section\t.text._Z4loopv,\"ax\",@progbits",
+        ".text._Z4loopv:                                     // |       |        |        |",
+        row(0x0, "MOV R1, c[0x0][0x28]", 2),
+        ".L_x_0:",
+        row(0x10, "LDS.128 R4, [R2]", 7),
+        row(0x20, "HMMA.16816.F32 R8, R4, R12, R8", 21),
+        row(0x30, "@!P2 BRA `(.L_x_0)", 12),
+        row(0x40, "EXIT", 0),
+        "\t.section\t.text._Z5otherv,\"ax\",@progbits",
+        ".text._Z5otherv:                                    // |       |        |        |",
+        ".L_x_0:",
+        row(0x0, "MOV R1, R2", 30),
+        row(0x10, "BRA `(.L_x_0)", 1),
+    ]) + "\n"
+
+
+def test_live_registers_and_the_loop_peak():
+    live = sc.live_registers(_live_listing())
+    assert list(live) == ["_Z4loopv", "_Z5otherv"]
+    # labels become the addresses they stand for, per kernel (both kernels have .L_x_0)
+    assert live["_Z4loopv"][3] == (0x30, "@!P2 BRA 0x10", 12)
+    assert live["_Z5otherv"][1] == (0x10, "BRA 0x0", 1)
+    loop = sc.largest_loop([(a, t) for a, t, _ in live["_Z4loopv"]])
+    assert [a for a, _ in loop] == [0x10, 0x20, 0x30]
+    sass = _listing("_Z4loopv", ["MOV R1, c[0x0][0x28]", "LDS.128 R4, [R2]",
+                                 "HMMA.16816.F32 R8, R4, R12, R8", "@!P2 BRA 0x10", "EXIT"])
+    out = io.StringIO()
+    sc.report(sass, "", "loopv", out=out, live=live)
+    text = out.getvalue()
+    assert "at most 21 live: _Z4loopv" in text, text
+    assert ("live registers in the loop: at most 21, first at 0x20 "
+            "(HMMA.16816.F32 R8, R4, R12, R8)") in text, text
