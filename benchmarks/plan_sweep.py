@@ -24,17 +24,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax_nvfp4.attention_primitive as attention_primitive  # noqa: E402
 import jax_nvfp4.ragged_primitive as ragged_primitive  # noqa: E402
-
-STEP = ragged_primitive.KV_TILE  # a split's length is a multiple of the kernels' step
 
 
 def forced_plan(max_tokens: int, splits: int) -> tuple[int, int]:
     """``(num_splits, tokens_per_split)`` of about ``splits`` equal splits of ``max_tokens``
-    positions, each a multiple of ``STEP`` (so fewer where the last would be empty)."""
-    per_split = -(-max(max_tokens, 1) // max(splits, 1))
-    per_split = -(-per_split // STEP) * STEP
-    return -(-max(max_tokens, 1) // per_split), per_split
+    positions, each a multiple of the kernels' step (so fewer where the last would be empty):
+    the planner's own cut (``attention_primitive.split_evenly``) at a count of our choosing."""
+    return attention_primitive.split_evenly(max_tokens, max(splits, 1), ragged_primitive.KV_TILE)
 
 
 def force_splits(splits: int):
