@@ -209,24 +209,22 @@ def ptxas_log(tree, source, defines=()):
         return _compile(tree, source, defines, os.path.join(work, "out.cubin"))
 
 
-def live_listing(tree, source, defines=()):
-    """``nvdisasm --print-life-ranges --life-range-mode count`` of ``tree/source`` compiled with
-    NVCC_FLAGS (for :func:`live_registers`)."""
-    with tempfile.TemporaryDirectory() as work:
-        cubin = os.path.join(work, "out.cubin")
-        _compile(tree, source, defines, cubin)
-        return subprocess.run([_tool("nvdisasm"), "-plr", "-lrm", "count", cubin],
-                              capture_output=True, text=True, check=True).stdout
-
-
-def compile_sass(tree, source, defines=()):
-    """(disassembly, ptxas log) of ``tree/source`` compiled with NVCC_FLAGS."""
+def compile_sass(tree, source, defines=(), live=False):
+    """(disassembly, ptxas log) of ``tree/source`` compiled with NVCC_FLAGS; with ``live``, a
+    third item from the same cubin: ``nvdisasm --print-life-ranges --life-range-mode count``
+    (for :func:`live_registers`)."""
     with tempfile.TemporaryDirectory() as work:
         cubin = os.path.join(work, "out.cubin")
         log = _compile(tree, source, defines, cubin)
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", cubin], capture_output=True,
-                              text=True, check=True).stdout
-        return sass, log
+
+        def listing(*cmd):
+            return subprocess.run([*cmd, cubin], capture_output=True, text=True,
+                                  check=True).stdout
+
+        sass = listing(_tool("cuobjdump"), "-sass")
+        if not live:
+            return sass, log
+        return sass, log, listing(_tool("nvdisasm"), "-plr", "-lrm", "count")
 
 
 def patched_tree(patch, work):
@@ -294,10 +292,8 @@ def main(argv=None):
         p.error("a source file (or --sass) is needed")
     with tempfile.TemporaryDirectory() as work:
         tree = patched_tree(args.patch, work) if args.patch else ROOT
-        sass, log = compile_sass(tree, args.source, args.defines)
-        live = (live_registers(live_listing(tree, args.source, args.defines)) if args.live
-                else None)
-    return report(sass, log, args.loop, live=live)
+        sass, log, *life = compile_sass(tree, args.source, args.defines, live=args.live)
+    return report(sass, log, args.loop, live=live_registers(life[0]) if life else None)
 
 
 if __name__ == "__main__":
