@@ -108,14 +108,14 @@ def live_registers(listing):
     :func:`largest_loop` reads both."""
     rows, labels, name, pending = {}, {}, None, []
     for line in listing.splitlines():
-        text = _LIVE_TEXT.match(line)
-        if text:
+        if text := _LIVE_TEXT.match(line):
             name, pending = text.group(1), []
             rows[name], labels[name] = [], {}
-        elif name is not None and _LIVE_LABEL.match(line):
-            pending.append(_LIVE_LABEL.match(line).group(1))
-        elif name is not None and _LIVE_INSTRUCTION.search(line):
-            m = _LIVE_INSTRUCTION.search(line)
+        elif name is None:
+            continue
+        elif label := _LIVE_LABEL.match(line):
+            pending.append(label.group(1))
+        elif m := _LIVE_INSTRUCTION.search(line):
             address = int(m.group(1), 16)
             labels[name].update((label, address) for label in pending)
             pending = []
