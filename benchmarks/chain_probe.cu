@@ -1,0 +1,207 @@
+// Probe of the shortest dependent chain a paged split-KV decode launch can have on this GPU, at
+// issue 18's 1 x 4096 point (8 kv heads, pages of 16 positions, 144 bytes a position and kv
+// head: K and V codes and scales at head size 128; 16 splits of 256 positions, one CTA of 128
+// threads each, as the decode kernel's plan), against that issue's target of 6 µs a call.
+//
+// Why (benchmarks/NOTES.md, "Where it stands (end of the forty-third session)"): the decode
+// kernel takes 13-14 µs there, and its per-CTA timeline puts ~2 µs before the first page bytes,
+// ~3 µs in the chunks and ~4 µs in the merges. This measures what the steps that no design of a
+// paged split-KV read can leave out cost by themselves, each kernel one step more than the one
+// before, with no arithmetic beyond a sum that keeps the loads:
+//   empty:   every CTA starts and ends;
+//   table:   + each CTA's 16 block-table entries and the sequence's length (one round trip);
+//   pages:   + the 36 KB of page bytes those entries name (a second, dependent round trip),
+//            summed over the CTA, one float a CTA written to a workspace;
+//   merge:   + the split-KV merge: each CTA counts itself done on its kv head's counter (a
+//            release atomic after a fence), and the last of the 16 reads the 16 partials and
+//            writes the kv head's output (a third round trip, through the L2).
+// Each launch records its first CTA's start and its last CTA's end (the global timer; its step
+// is 32 ns on Hopper), so the span is the device's own time for the grid without the host's
+// launch. Each stage runs twice: "flushed", each launch reading its own random pages of a pool
+// larger than the L2 with a 256 MB memset between launches, and "warm", every launch reading
+// the same pages (as a benchmark calling the reader on one cache again and again: 4.7 MB of
+// pages stay in the L2). Prints the median and the 10th / 90th percentile span a stage over
+// the launches.
+//
+// Build and run on a Hopper GPU, from the repository root:
+//   nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o chain_probe benchmarks/chain_probe.cu
+//   ./chain_probe
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+
+#include "cuda_check.h"
+
+constexpr int kKvHeads = 8;
+constexpr int kSplits = 16;
+constexpr int kPagesPerSplit = 16;         // 256 positions a CTA at pages of 16
+constexpr int kHeadPageBytes = 16 * 144;   // one kv head's part of a page
+constexpr int kHeadPageWords = kHeadPageBytes / 16;            // uint4 words: 144
+constexpr int kCtaWords = kPagesPerSplit * kHeadPageWords;     // 2304 a CTA
+constexpr int kThreads = 128;
+static_assert(kCtaWords % kThreads == 0, "whole words a thread");
+constexpr int kWordsPerThread = kCtaWords / kThreads;          // 18
+constexpr int kSeqPages = kSplits * kPagesPerSplit;            // 256 pages: 4096 positions
+constexpr int kPoolPages = 32768;  // 32768 x 8 x 2304 bytes = 604 MB: past any L2
+constexpr int kLaunches = 200;
+
+enum Stage { kEmpty = 0, kTable = 1, kPages = 2, kMerge = 3 };
+const char* const kStageNames[] = {"empty", "table", "pages", "merge"};
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+template <int kStage>
+__global__ void __launch_bounds__(kThreads) chain(const int* seq_len, const int* table,
+                                                  const uint4* pool, float* partial,
+                                                  unsigned* counters, float* out,
+                                                  unsigned long long* first_start,
+                                                  unsigned long long* last_end) {
+  const unsigned long long start = global_ns();
+  const int head = blockIdx.x / kSplits, split = blockIdx.x % kSplits;
+  __shared__ int pages[kPagesPerSplit];
+  __shared__ float warp_sum[kThreads / 32];
+  __shared__ bool last;
+  float sum = 0.f;
+  if (kStage >= kTable) {
+    // The length and the split's entries in one round trip (the decode kernel's v6 order).
+    const int len = __ldg(seq_len);
+    if (threadIdx.x < kPagesPerSplit)
+      pages[threadIdx.x] = __ldg(table + split * kPagesPerSplit + threadIdx.x);
+    __syncthreads();
+    if (split * kPagesPerSplit * 16 >= len) return;  // (never: the split is inside)
+    if (kStage == kTable) sum = float(pages[threadIdx.x % kPagesPerSplit]);
+  }
+  if (kStage >= kPages) {
+    uint4 w[kWordsPerThread];
+#pragma unroll
+    for (int j = 0; j < kWordsPerThread; ++j) {
+      const int k = threadIdx.x + kThreads * j;
+      const int64_t page = pages[k / kHeadPageWords];
+      w[j] = __ldg(pool + (page * kKvHeads + head) * kHeadPageWords + k % kHeadPageWords);
+    }
+#pragma unroll
+    for (int j = 0; j < kWordsPerThread; ++j) sum += float(w[j].x ^ w[j].y ^ w[j].z ^ w[j].w);
+  }
+  if (kStage >= kTable) {
+#pragma unroll
+    for (int d = 16; d > 0; d /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, d);
+    if (threadIdx.x % 32 == 0) warp_sum[threadIdx.x / 32] = sum;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const float cta = warp_sum[0] + warp_sum[1] + warp_sum[2] + warp_sum[3];
+      if (kStage < kMerge) {
+        out[blockIdx.x] = cta;
+      } else {
+        partial[blockIdx.x] = cta;
+        // (the release that publishes the partial, and the acquire of the others' for the last)
+        unsigned before;
+        asm volatile("atom.add.acq_rel.gpu.u32 %0, [%1], 1;"
+                     : "=r"(before) : "l"(counters + head) : "memory");
+        last = before == kSplits - 1;
+      }
+    }
+    if (kStage >= kMerge) {
+      __syncthreads();
+      if (last && threadIdx.x < kSplits) {
+        asm volatile("fence.acq_rel.gpu;" ::: "memory");  // thread 0's acquire, for the CTA
+        float v = __ldcg(partial + head * kSplits + threadIdx.x);
+#pragma unroll
+        for (int d = 8; d > 0; d /= 2) v += __shfl_xor_sync(0x0000FFFFu, v, d);
+        if (threadIdx.x == 0) out[head] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicMin(first_start, start);
+    atomicMax(last_end, global_ns());
+  }
+}
+
+template <int kStage>
+void run(const int* seq_len, const int* tables, const uint4* pool, float* partial,
+         unsigned* counters, float* out, unsigned long long* starts, unsigned long long* ends,
+         uint8_t* flush, size_t flush_bytes, bool flushed) {
+  for (int i = 0; i < kLaunches; ++i) {
+    if (flushed) CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
+    chain<kStage><<<kKvHeads * kSplits, kThreads>>>(seq_len, tables + i * kSeqPages, pool,
+                                                    partial + i * kKvHeads * kSplits,
+                                                    counters + i * kKvHeads, out, starts + i,
+                                                    ends + i);
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned long long> s(kLaunches), ends_ns(kLaunches);
+  CHECK(cudaMemcpy(s.data(), starts, kLaunches * 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(ends_ns.data(), ends, kLaunches * 8, cudaMemcpyDeviceToHost));
+  std::vector<double> span;
+  for (int i = 10; i < kLaunches; ++i) span.push_back((ends_ns[i] - s[i]) * 1e-3);  // 10 warm-ups
+  std::sort(span.begin(), span.end());
+  const auto at = [&](double q) { return span[size_t(q * (span.size() - 1))]; };
+  printf("| %s | %s | %.2f | %.2f | %.2f |\n", kStageNames[kStage], flushed ? "flushed" : "warm",
+         at(0.5), at(0.1), at(0.9));
+}
+
+int main() {
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  printf("%s, %d SMs, L2 %d MB; %d CTAs of %d threads, %d KB of pages a CTA, %d launches\n",
+         prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, kKvHeads * kSplits,
+         kThreads, kCtaWords * 16 / 1024, kLaunches);
+  // A random page for every (launch, logical page), so that no launch reads another's lines.
+  std::vector<int> tables(size_t(kLaunches) * kSeqPages);
+  uint32_t x = 12345u;
+  for (auto& t : tables) x = x * 1664525u + 1013904223u, t = int((x >> 8) % kPoolPages);
+  const int len = kSeqPages * 16;
+  int *d_len, *d_tables;
+  uint4* pool;
+  float *partial, *out;
+  unsigned* counters;
+  unsigned long long *starts, *ends;
+  uint8_t* flush;
+  const size_t pool_bytes = size_t(kPoolPages) * kKvHeads * kHeadPageBytes;
+  const size_t flush_bytes = size_t(256) << 20;
+  CHECK(cudaMalloc(&d_len, 4));
+  CHECK(cudaMalloc(&d_tables, tables.size() * 4));
+  CHECK(cudaMalloc(&pool, pool_bytes));
+  CHECK(cudaMalloc(&partial, size_t(kLaunches) * kKvHeads * kSplits * 4));
+  CHECK(cudaMalloc(&out, kKvHeads * kSplits * 4));
+  CHECK(cudaMalloc(&counters, kLaunches * kKvHeads * 4));
+  CHECK(cudaMalloc(&starts, kLaunches * 8));
+  CHECK(cudaMalloc(&ends, kLaunches * 8));
+  CHECK(cudaMalloc(&flush, flush_bytes));
+  CHECK(cudaMemcpy(d_len, &len, 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_tables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemset(pool, 0x5A, pool_bytes));
+  printf("| stage | L2 | median span µs | 10th | 90th |\n| --- | --- | ---: | ---: | ---: |\n");
+  const auto reset = [&] {
+    CHECK(cudaMemset(counters, 0, kLaunches * kKvHeads * 4));
+    CHECK(cudaMemset(starts, 0xFF, kLaunches * 8));
+    CHECK(cudaMemset(ends, 0, kLaunches * 8));
+  };
+  for (bool flushed : {true, false}) {
+    // warm: each launch reads the same pages, which the launches before left in the L2 (as a
+    // benchmark that calls the reader again and again on one cache does)
+    if (!flushed) {
+      for (int i = 1; i < kLaunches; ++i)
+        std::copy(tables.begin(), tables.begin() + kSeqPages, tables.begin() + i * kSeqPages);
+      CHECK(cudaMemcpy(d_tables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+    }
+    reset(), run<kEmpty>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
+                         flush_bytes, flushed);
+    reset(), run<kTable>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
+                         flush_bytes, flushed);
+    reset(), run<kPages>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
+                         flush_bytes, flushed);
+    reset(), run<kMerge>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
+                         flush_bytes, flushed);
+  }
+  return 0;
+}
