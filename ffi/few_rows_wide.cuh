@@ -394,7 +394,10 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         vf[1][k][0] = lo[1], vf[1][k][1] = lo[3], vf[1][k][2] = hi[1], vf[1][k][3] = hi[3];
       }
     }
-    // (V's fragments pinned before the wait, so that they are converted while S^T is in flight)
+    // (V's fragments pinned before the wait. This does not make ptxas convert them while S^T is
+    // in flight: at 168 registers it cannot hold them with K's, pinned until the wait, and it
+    // puts the conversion after the wait, with the softmax's max; benchmarks/NOTES.md, ragged
+    // v37 at three CTAs a SM.)
     wgmma_keep_a_operands(vf[0]);
     wgmma_keep_a_operands(vf[1]);
     wgmma_wait<0>();
