@@ -397,7 +397,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // (V's fragments pinned before the wait. This does not make ptxas convert them while S^T is
     // in flight: at 168 registers it cannot hold them with K's, pinned until the wait, and it
     // puts the conversion after the wait, with the softmax's max; benchmarks/NOTES.md, ragged
-    // v37 at three CTAs a SM.)
+    // v38.)
     wgmma_keep_a_operands(vf[0]);
     wgmma_keep_a_operands(vf[1]);
     wgmma_wait<0>();
