@@ -12,9 +12,9 @@
 //   table:   + each CTA's 16 block-table entries and the sequence's length (one round trip);
 //   pages:   + the 36 KB of page bytes those entries name (a second, dependent round trip),
 //            summed over the CTA, one float a CTA written to a workspace;
-//   merge:   + the split-KV merge: each CTA counts itself done on its kv head's counter (a
-//            release atomic after a fence), and the last of the 16 reads the 16 partials and
-//            writes the kv head's output (a third round trip, through the L2).
+//   merge:   + the split-KV merge: each CTA counts itself done on its kv head's counter (an
+//            acq_rel atomic, as the decode kernel's v17 did), and the last of the 16 reads the
+//            16 partials and writes the kv head's output (a third round trip, through the L2).
 // Each launch records its first CTA's start and its last CTA's end (the global timer; its step
 // is 32 ns on Hopper), so the span is the device's own time for the grid without the host's
 // launch. Each stage runs twice: "flushed", each launch reading its own random pages of a pool
