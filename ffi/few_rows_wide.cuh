@@ -395,9 +395,9 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
       }
     }
     // (V's fragments pinned before the wait. This does not make ptxas convert them while S^T is
-    // in flight: at 168 registers it cannot hold them with K's, pinned until the wait, and it
-    // puts the conversion after the wait, with the softmax's max; benchmarks/NOTES.md, ragged
-    // v38.)
+    // in flight: empty asm statements order nothing in its schedule, and it puts the conversion
+    // after the wait, with the softmax's max, at 168 registers as at 182 (two CTAs a SM), so
+    // not for want of registers; benchmarks/NOTES.md, ragged v38.)
     wgmma_keep_a_operands(vf[0]);
     wgmma_keep_a_operands(vf[1]);
     wgmma_wait<0>();
