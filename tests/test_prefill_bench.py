@@ -59,14 +59,18 @@ def test_prefill_bench_quick(tmp_path):
     mixed = next(p for p in result["points"] if p["kind"] == "mixed")
     assert mixed["sanity"]["ragged_vs_parts"] < 1e-6  # the jnp paths agree bit for bit
     for r in result["rows"]:
-        assert r["us_per_call"] >= 0
+        # The benchmarks' two-length rule (store_bench._per_call): a chain difference that is
+        # never positive gives NaN, never 0 or below. On a loaded CPU that can happen to the glue
+        # row (a few tiny ops a call; it did in CI once); the attention rows are long enough to
+        # time, so they must come out positive.
+        if r["method"] == "glue" and np.isnan(r["us_per_call"]):
+            assert np.isnan(r["spread_pct"]) and r["tflops"] is None and r["pct_floor"] is None
+            continue
+        assert r["us_per_call"] > 0, r
         if r["method"] != "parts":
             assert len(r["chain_lengths"]) == 3
         if r["method"] != "glue":
             assert r["flops"] > 0
-        if r["us_per_call"] == 0:  # a CPU's jitter can give 0 (chains' differences clamped)
-            assert np.isnan(r["spread_pct"]) and r["tflops"] is None and r["pct_floor"] is None
-            continue
         assert r["spread_pct"] >= 0
         if r["method"] != "glue":
             assert r["tflops"] is not None and r["pct_floor"] is not None
