@@ -70,7 +70,11 @@ def test_attention_bench_quick(tmp_path):
     assert [s for s in result["skipped"] if s["method"] == "pallas"] == [
         {"point": p, "method": "pallas", "why": pallas_why} for p in ("2x512", "ragged4")]
     for r in result["rows"]:
-        assert len(r["chain_lengths"]) == 3 and r["us_per_call"] >= 0
+        # NaN where a chain difference never came out positive (the benchmarks' two-length
+        # rule, store_bench._per_call): only the glue row's few tiny ops a call can be that
+        # short against a loaded CPU's jitter (test_prefill_bench's glue row was, in CI once)
+        assert len(r["chain_lengths"]) == 3
+        assert r["us_per_call"] > 0 or (r["method"] == "glue" and np.isnan(r["us_per_call"])), r
     assert (tmp_path / "attention_bench.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "attention_bench.png").stat().st_size > 0
@@ -311,7 +315,8 @@ def test_attention_bench_step_quick(tmp_path):
     points = {p["name"]: p for p in result["points"]}
     assert set(points) == {"2x512", "ragged4"}
     for r in result["rows"]:
-        assert r["layers"] == 2 and len(r["chain_lengths"]) == 3 and r["us_per_call"] >= 0
+        assert r["layers"] == 2 and len(r["chain_lengths"]) == 3
+        assert r["us_per_call"] > 0 or (r["method"] == "glue" and np.isnan(r["us_per_call"])), r
         p = points[r["point"]]
         if r["method"] == "glue":
             assert r["bytes"] is None
