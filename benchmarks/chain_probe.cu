@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <type_traits>
 #include <vector>
 
 #include "cuda_check.h"
@@ -202,11 +203,6 @@ int main() {
   CHECK(cudaMemset(pool, 0x5A, pool_bytes));
   printf("| stage | L2 | median span µs | 10th | 90th | events µs (median) |\n"
          "| --- | --- | ---: | ---: | ---: | ---: |\n");
-  const auto reset = [&] {
-    CHECK(cudaMemset(counters, 0, kLaunches * kKvHeads * 4));
-    CHECK(cudaMemset(starts, 0xFF, kLaunches * 8));
-    CHECK(cudaMemset(ends, 0, kLaunches * 8));
-  };
   for (bool flushed : {true, false}) {
     // warm: each launch reads the same pages, which the launches before left in the L2 (as a
     // benchmark that calls the reader again and again on one cache does)
@@ -215,14 +211,17 @@ int main() {
         std::copy(tables.begin(), tables.begin() + kSeqPages, tables.begin() + i * kSeqPages);
       CHECK(cudaMemcpy(d_tables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
     }
-    reset(), run<kEmpty>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
-                         flush_bytes, flushed);
-    reset(), run<kTable>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
-                         flush_bytes, flushed);
-    reset(), run<kPages>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
-                         flush_bytes, flushed);
-    reset(), run<kMerge>(d_len, d_tables, pool, partial, counters, out, starts, ends, flush,
-                         flush_bytes, flushed);
+    const auto stage = [&](auto kind) {  // one stage's launches, from fresh counters and spans
+      CHECK(cudaMemset(counters, 0, kLaunches * kKvHeads * 4));
+      CHECK(cudaMemset(starts, 0xFF, kLaunches * 8));
+      CHECK(cudaMemset(ends, 0, kLaunches * 8));
+      run<decltype(kind)::value>(d_len, d_tables, pool, partial, counters, out, starts, ends,
+                                 flush, flush_bytes, flushed);
+    };
+    stage(std::integral_constant<int, kEmpty>{});
+    stage(std::integral_constant<int, kTable>{});
+    stage(std::integral_constant<int, kPages>{});
+    stage(std::integral_constant<int, kMerge>{});
   }
   return 0;
 }
