@@ -4,6 +4,7 @@
     python benchmarks/sass_counts.py ffi/decode_cuda.cu --loop DecodeKernelILi128ELb1ELNS_6LayoutE0
     python benchmarks/sass_counts.py ffi/decode_cuda.cu --patch benchmarks/variants/X.patch --loop K
     python benchmarks/sass_counts.py ffi/store_cuda.cu -D NVFP4_STORE_4OVER6_MIN_CTAS=2
+    python benchmarks/sass_counts.py ffi/ragged_few_rows.cu --loop WideRowsKernelILb1ELNS_6LayoutE0 --innermost
 
 Compiles one file of ``ffi/`` for sm_90a with the build's flags (CMakeLists.txt: ``--fmad=false
 --ftz=true``, C++17, ``-O3``; nvcc from PATH, the XLA FFI headers from jaxlib) into a cubin,
@@ -134,9 +135,10 @@ def opcode(text):
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
-def largest_loop(instructions, markers=TENSOR_OPCODES):
+def largest_loop(instructions, markers=TENSOR_OPCODES, innermost=False):
     """The instructions from a backward branch's target to the branch, the largest such span
-    that holds an instruction of ``markers``; None where there is none."""
+    that holds an instruction of ``markers`` (``innermost``: the smallest, e.g. the wide
+    kernel's step loop where the largest spans its two step loops); None where there is none."""
     best = None
     for address, text in instructions:
         m = _BRANCH.search(text)
@@ -144,7 +146,8 @@ def largest_loop(instructions, markers=TENSOR_OPCODES):
             continue
         target = int(m.group(1), 16)
         body = [x for x in instructions if target <= x[0] <= address]
-        if any(opcode(t) in markers for _, t in body) and (best is None or len(body) > len(best)):
+        if any(opcode(t) in markers for _, t in body) and (
+                best is None or (len(body) < len(best) if innermost else len(body) > len(best))):
             best = body
     return best
 
@@ -235,10 +238,10 @@ def patched_tree(patch, work):
     return work
 
 
-def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None):
+def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None, innermost=False):
     """Prints every kernel's resources and size, and ``loop``'s counts; returns the common
     path's length (None without ``loop``). ``live``: :func:`live_registers` of the same code,
-    whose peaks are printed too."""
+    whose peaks are printed too; ``innermost``: the smallest such loop (:func:`largest_loop`)."""
     kernels = functions(sass)
     live = live or {}
     used = resources(ptxas_log)
@@ -257,7 +260,7 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None):
     matches = [n for n in kernels if loop in n]
     if not matches:
         raise SystemExit(f"no kernel's name contains {loop!r}")
-    body = largest_loop(kernels[matches[0]])
+    body = largest_loop(kernels[matches[0]], innermost=innermost)
     if body is None:
         raise SystemExit(f"{matches[0]}: no loop with {' or '.join(TENSOR_OPCODES)}")
     path = common_path(body)
@@ -278,6 +281,9 @@ def main(argv=None):
     p.add_argument("--patch", help="compile with this patch applied to a copy of ffi/")
     p.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME=VALUE",
                    help="a preprocessor definition (a build option)")
+    p.add_argument("--innermost", action="store_true",
+                   help="with --loop: the smallest loop with tensor-core instructions, not the "
+                        "largest (the wide kernel's step loop)")
     p.add_argument("--live", action="store_true",
                    help="also the live registers (nvdisasm --print-life-ranges; needs nvdisasm)")
     p.add_argument("--sass", help="a saved cuobjdump -sass listing instead of compiling")
@@ -287,13 +293,14 @@ def main(argv=None):
         with open(args.sass) as f:
             sass = f.read()
         ptxas_log = open(args.ptxas).read() if args.ptxas else ""
-        return report(sass, ptxas_log, args.loop)
+        return report(sass, ptxas_log, args.loop, innermost=args.innermost)
     if not args.source:
         p.error("a source file (or --sass) is needed")
     with tempfile.TemporaryDirectory() as work:
         tree = patched_tree(args.patch, work) if args.patch else ROOT
         sass, log, *life = compile_sass(tree, args.source, args.defines, live=args.live)
-    return report(sass, log, args.loop, live=live_registers(life[0]) if life else None)
+    return report(sass, log, args.loop, live=live_registers(life[0]) if life else None,
+                  innermost=args.innermost)
 
 
 if __name__ == "__main__":

@@ -168,3 +168,23 @@ def test_live_registers_and_the_loop_peak():
     assert "at most 21 live: _Z4loopv" in text, text
     assert ("live registers in the loop: at most 21, first at 0x20 "
             "(HMMA.16816.F32 R8, R4, R12, R8)") in text, text
+
+
+def test_innermost_picks_the_smallest_tensor_loop():
+    """Two loops with tensor-core instructions, one inside the other (the wide kernel's step
+    loops inside its outer span): the largest by default, the inner one with ``innermost``;
+    a loop without them is never chosen."""
+    body = ["MOV R1, R2",                                            # 0x00
+            "HGMMA.64x32x16.F32 R24, R8, gdesc[UR4], R24",          # 0x10: outer from here
+            "HGMMA.64x32x16.F32 R24, R8, gdesc[UR4], R24",          # 0x20: inner from here
+            "IADD3 R1, R1, 0x1, RZ", "@P0 BRA 0x20",                # 0x30, 0x40: inner's end
+            "IADD3 R2, R2, 0x1, RZ", "@P1 BRA 0x50",                # 0x50, 0x60: no tensor op
+            "@P2 BRA 0x10", "EXIT"]                                  # 0x70: outer's end
+    kernels = sc.functions(_listing("_Z4nestv", body))
+    outer = sc.largest_loop(kernels["_Z4nestv"])
+    inner = sc.largest_loop(kernels["_Z4nestv"], innermost=True)
+    assert (outer[0][0], outer[-1][0]) == (0x10, 0x70)
+    assert (inner[0][0], inner[-1][0]) == (0x20, 0x40)
+    out = io.StringIO()
+    assert sc.report(_listing("_Z4nestv", body), "", "nestv", out=out, innermost=True) == 3
+    assert "loop 0x20-0x40: 3 static" in out.getvalue(), out.getvalue()
