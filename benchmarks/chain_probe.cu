@@ -22,7 +22,13 @@
 // the same pages (as a benchmark calling the reader on one cache again and again: 4.7 MB of
 // pages stay in the L2). Prints the median and the 10th / 90th percentile span a stage over
 // the launches, and the median time between CUDA events recorded around each launch (the
-// stream's view: the span plus the grid's launch and drain on the device).
+// stream's view: the span plus the grid's launch and drain on the device). Then each stage
+// chained, as a benchmark times a reader (attention_bench.py's difference of chains): launches
+// back to back with nothing between them, a call's time = (time of 200 launches - time of 100)
+// / 100, the median of 5; each launch on its own pages (none in the L2, no flush needed: 200
+// launches read 944 MB) and all on the same pages; once launched one by one from the host (its
+// launch rate shows in the empty stage) and once as a CUDA graph of the chain (the device's own
+// gap between kernels: what a chain of calls costs where launches are not the limit).
 //
 // Build and run on a Hopper GPU, from the repository root:
 //   nvcc -gencode arch=compute_90a,code=sm_90a -O2 -o chain_probe benchmarks/chain_probe.cu
@@ -170,6 +176,62 @@ void run(const int* seq_len, const int* tables, const uint4* pool, float* partia
          at(events, 0.5));
 }
 
+// A stage's launches back to back: the time a call adds to a chain of calls (no events or
+// memsets between them), the median of 5 differences of a 200- and a 100-launch chain.
+// With `graph`, each chain is one CUDA graph of its launches, built before the timing.
+template <int kStage>
+double chained(const int* seq_len, const int* tables, const uint4* pool, float* partial,
+               unsigned* counters, float* out, unsigned long long* starts,
+               unsigned long long* ends, bool graph) {
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t a, b;
+  CHECK(cudaEventCreate(&a));
+  CHECK(cudaEventCreate(&b));
+  const auto launches = [&](int n) {
+    for (int i = 0; i < n; ++i)
+      chain<kStage><<<kKvHeads * kSplits, kThreads, 0, stream>>>(
+          seq_len, tables + i * kSeqPages, pool, partial + i * kKvHeads * kSplits,
+          counters + i * kKvHeads, out, starts + i, ends + i);
+  };
+  cudaGraphExec_t execs[2] = {};  // the chains of kLaunches / 2 and kLaunches launches
+  if (graph) {
+    for (int h = 0; h < 2; ++h) {
+      cudaGraph_t g;
+      CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      launches(h ? kLaunches : kLaunches / 2);
+      CHECK(cudaStreamEndCapture(stream, &g));
+      CHECK(cudaGraphInstantiate(&execs[h], g, 0));
+      CHECK(cudaGraphDestroy(g));
+    }
+  }
+  const auto chain_ms = [&](int n) {
+    CHECK(cudaMemsetAsync(counters, 0, kLaunches * kKvHeads * 4, stream));  // fresh counters
+    CHECK(cudaEventRecord(a, stream));
+    if (graph) CHECK(cudaGraphLaunch(execs[n == kLaunches], stream));
+    else launches(n);
+    CHECK(cudaEventRecord(b, stream));
+    CHECK(cudaEventSynchronize(b));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, a, b));
+    return double(ms);
+  };
+  chain_ms(kLaunches);  // warm-up
+  std::vector<double> per_call;
+  for (int r = 0; r < 5; ++r) {
+    const double half = chain_ms(kLaunches / 2), full = chain_ms(kLaunches);
+    per_call.push_back((full - half) * 1e3 / (kLaunches - kLaunches / 2));
+  }
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
+  for (cudaGraphExec_t exec : execs)
+    if (exec) CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaStreamDestroy(stream));
+  std::sort(per_call.begin(), per_call.end());
+  return per_call[per_call.size() / 2];
+}
+
 int main() {
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -203,6 +265,7 @@ int main() {
   CHECK(cudaMemset(pool, 0x5A, pool_bytes));
   printf("| stage | L2 | median span µs | 10th | 90th | events µs (median) |\n"
          "| --- | --- | ---: | ---: | ---: | ---: |\n");
+  std::vector<double> chained_us[2][2];  // [same pages][graph][stage]
   for (bool flushed : {true, false}) {
     // warm: each launch reads the same pages, which the launches before left in the L2 (as a
     // benchmark that calls the reader again and again on one cache does)
@@ -217,11 +280,20 @@ int main() {
       CHECK(cudaMemset(ends, 0, kLaunches * 8));
       run<decltype(kind)::value>(d_len, d_tables, pool, partial, counters, out, starts, ends,
                                  flush, flush_bytes, flushed);
+      for (int graph = 0; graph < 2; ++graph)
+        chained_us[!flushed][graph].push_back(chained<decltype(kind)::value>(
+            d_len, d_tables, pool, partial, counters, out, starts, ends, graph));
     };
     stage(std::integral_constant<int, kEmpty>{});
     stage(std::integral_constant<int, kTable>{});
     stage(std::integral_constant<int, kPages>{});
     stage(std::integral_constant<int, kMerge>{});
   }
+  printf("\nChained (launches back to back; µs a call, the median of 5 chain differences):\n\n"
+         "| stage | own pages, host launches | same pages, host launches | own pages, graph | "
+         "same pages, graph |\n| --- | ---: | ---: | ---: | ---: |\n");
+  for (int k = 0; k < 4; ++k)
+    printf("| %s | %.2f | %.2f | %.2f | %.2f |\n", kStageNames[k], chained_us[0][0][k],
+           chained_us[1][0][k], chained_us[0][1][k], chained_us[1][1][k]);
   return 0;
 }
