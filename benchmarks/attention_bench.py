@@ -65,7 +65,10 @@ for chain lengths n1 < n2; per call = (t(n2) - t(n1)) / (n2 - n1), so dispatch a
 launch cancel. A middle length nm checks that the time grows linearly (slope nm..n2 over slope
 n1..nm, reported as "lin"). Each method is timed twice, in two rounds over all methods of a
 grid point; the row reports the mean of the two and their spread (a difference between rows
-smaller than the spread is noise).
+smaller than the spread is noise). Then each method's longest chain runs once more under the
+profiler (store_bench's method, compiled without command buffers): its kernels' device time a
+call, launch gaps left out ("kernels' µs", the measure of issue 18's own table; the time
+targets' lines give it, and the glue's share of it, beside the chain's verdict).
 
 Bytes per call: NVFP4, the pages the sequences need, sum over sequences of
 ceil(len / 16) pages x 2 sides x 8 kv heads x 16 tokens x 72 bytes; bf16 paged (both readers)
@@ -617,6 +620,26 @@ class Method:
         self.rounds.append(per_call)
         return per_call
 
+    def profiled(self):
+        """Device seconds per call of its longest chain by a profiler trace (store_bench's
+        method: the program compiled without command buffers, so that each kernel's event
+        names its instruction; the self times of the device's op events summed, over the
+        chain's length), or None where the trace names no op. The launch gaps that a chain's
+        wall time counts are left out; the chain's own glue kernels are in it (the glue row
+        has them alone)."""
+        n = self.lengths[-1]
+        program = chain_program(self.step, n).lower(self.carry, *self.args).compile(
+            store_bench.PROFILE_COMPILER_OPTIONS)
+        self.carry = _ready(program(self.carry, *self.args))  # warm
+        self.carry, trace = store_bench.traced(lambda: _ready(program(self.carry, *self.args)))
+        if trace is None:
+            return None
+        folder, path = trace
+        with folder:
+            total_ns = sum(t for events in store_bench.op_timelines(path).values()
+                           for t, _ in store_bench.self_times(events))
+        return total_ns * 1e-9 / n if total_ns > 0 else None
+
     def alive(self):
         """Whether its carry is still there (a failed timing closes the method)."""
         return self.carry is not None and not any(
@@ -785,12 +808,27 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                     method.rounds = []
                     method.close()
             built = [m for m in built if m.alive()]
+        for method in built:
+            method.extra["kernels_us_per_call"] = (_profiled_us(method, log) if args.profiler
+                                                   else None)
         return [_row(point, m, ceiling_bps) for m in built if len(m.rounds) == 2], skipped
     finally:
         for method in built:
             method.close()
         free(inputs)
         jax.clear_caches()
+
+
+def _profiled_us(method, log):
+    """Method.profiled in µs, or None (logged) where the trace fails or names no op."""
+    try:
+        seconds = method.profiled()
+    except Exception as e:  # noqa: BLE001  (e.g. out of memory: the row keeps its chain time)
+        log(f"  {method.label}: profiler timing failed ({_first_line(e)})")
+        return None
+    if seconds is None:
+        log(f"  {method.label}: the profiler's trace names no op: no kernels' time")
+    return None if seconds is None else seconds * 1e6
 
 
 def _sanity(built, log):
@@ -931,15 +969,31 @@ def _kernel_check(point, row, field, limit, target, fmt, at_most):
             "within_noise": _within_noise(value, limit, row["spread_pct"])}
 
 
+def _with_kernels_note(check, row, glue):
+    """A time target's check with the profiler's view of the same call beside it, where it
+    was measured: the kernels' device time a call in the chain and, of it, the chain's own glue
+    (the glue row's kernels), so the attention's own kernels are their difference (the measure
+    of issue 18's table: the device time of the call's kernels). The verdict stays the chain's."""
+    ours = None if row is None else row.get("kernels_us_per_call")
+    if ours is not None:
+        theirs = None if glue is None else glue.get("kernels_us_per_call")
+        check["note"] = (f"profiler: {ours:.2f} us of kernels a call"
+                         + (f", {theirs:.2f} of them the chain's glue" if theirs else ""))
+    return check
+
+
 def evaluate_targets(result):
     """The targets of the run's mode: the decode step's, or the kernel's (TARGET_US, TARGET_PCT
     and the ragged batch's floor), one check a point."""
     if result["config"]["step_layers"]:
         return evaluate_step_targets(result)
     kernel = {r["point"]: r for r in result["rows"] if r["method"] == "kernel"}
+    glue = {r["point"]: r for r in result["rows"] if r["method"] == "glue"}
     ragged = [p["name"] for p in result["points"] if p["name"].startswith("ragged")]
-    return ([_kernel_check(name, kernel.get(name), "us_per_call", us, f"<= {us:g} us a call",
-                           "{:.2f} us", at_most=True) for name, us in TARGET_US.items()]
+    return ([_with_kernels_note(_kernel_check(name, kernel.get(name), "us_per_call", us,
+                                              f"<= {us:g} us a call", "{:.2f} us",
+                                              at_most=True), kernel.get(name), glue.get(name))
+             for name, us in TARGET_US.items()]
             + [_kernel_check(name, kernel.get(name), "pct_ceiling", pct, f">= {pct}% of ceiling",
                              "{:.1f}%", at_most=False) for name, pct in TARGET_PCT.items()]
             + [_kernel_check(name, kernel.get(name), "x_floor", TARGET_RAGGED_X_FLOOR,
@@ -989,8 +1043,10 @@ def run(args):
             lin = "" if r["linearity"] is None else f" lin {r['linearity']:.2f}"
             bw = "" if r["GBps"] is None else (f" {r['GBps']:8.1f} GB/s "
                                                 f"{r['pct_ceiling']:6.1f}% of ceiling")
+            kernels = ("" if r.get("kernels_us_per_call") is None
+                       else f"; kernels {r['kernels_us_per_call']:.2f} us")
             log(f"  {r['label']:<34} {r['us_per_call']:10.2f} us (rounds {r['us_round1']:.2f}, "
-                f"{r['us_round2']:.2f}; n {r['chain_lengths']}{lin}){bw}")
+                f"{r['us_round2']:.2f}; n {r['chain_lengths']}{lin}{kernels}){bw}")
             if (not args.quick and r["linearity"] is not None
                     and not 0.8 <= r["linearity"] <= 1.25):
                 log(f"  WARNING: {r['label']}: chain time not linear in its length "
@@ -1055,26 +1111,29 @@ def markdown(result):
              "sequences need (NVFP4 for nvfp4 rows, bf16 otherwise; q and out left out: at most "
              f"{q_out_share:.2g}% of the NVFP4 bytes). "
              "x floor: time over the row's bytes floor. vs bf16 / vs dense: their time over "
-             "this row's. Spread: the two timings of the row, apart."
+             "this row's. Spread: the two timings of the row, apart. Kernels' µs: the "
+             "device time of the chain's kernels a call, from a profiler trace (no launch "
+             "gaps; the chain's glue kernels in it: the glue row has them alone)."
              + (f" Decode-step mode: a call is one step of {layers} layers, each storing one "
                 "token per sequence and attending; bytes are the layers' reads plus the new "
                 "tokens' cache bytes written." if layers else ""), "",
-             f"| point | method | µs / {unit} | spread % | GB/s | % of ceiling | x floor | "
-             "vs bf16 paged | vs dense |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"| point | method | µs / {unit} | spread % | kernels' µs / {unit} (profiler) | "
+             "GB/s | % of ceiling | x floor | vs bf16 paged | vs dense |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     ceil_bps = c["ceiling_Bps"]
     for p in result["points"]:
         for r in (r for r in result["rows"] if r["point"] == p["name"]):
             lines.append(
                 f"| {r['point']} | {r['label']} | {r['us_per_call']:.2f} | "
-                f"{r['spread_pct']:.1f} | {_fmt(r['GBps'], '.1f')} | "
+                f"{r['spread_pct']:.1f} | {_fmt(r.get('kernels_us_per_call'), '.2f')} | "
+                f"{_fmt(r['GBps'], '.1f')} | "
                 f"{_fmt(r['pct_ceiling'], '.1f')} | {_fmt(r['x_floor'], '.2f')} | "
                 f"{_fmt(r.get('vs_bf16'), '.2f')} | {_fmt(r.get('vs_dense'), '.2f')} |")
         if any(r["point"] == p["name"] for r in result["rows"]):
             for what, kind in (("NVFP4", "nvfp4"), ("bf16", "bf16")):
                 nbytes = cache_bytes(p, kind, layers)
                 lines.append(f"| {p['name']} | floor: {what} bytes "
-                             f"({nbytes / 1e6:.1f} MB) | {nbytes / ceil_bps * 1e6:.2f} | | "
+                             f"({nbytes / 1e6:.1f} MB) | {nbytes / ceil_bps * 1e6:.2f} | | | "
                              f"{ceil_bps / 1e9:.1f} | 100.0 | 1.00 | | |")
     return "\n".join(lines)
 
@@ -1170,6 +1229,9 @@ def main(argv=None):
     p = timing_options(__doc__.split("\n\n")[0], METHODS, "32x32768,ragged32")
     p.add_argument("--max-chain-jnp", type=int, default=16,
                    help="longest chain of the jnp readers (their programs are large)")
+    p.add_argument("--no-profiler", dest="profiler", action="store_false",
+                   help="skip the profiler's run of each method (its kernels' µs a call: one "
+                        "more compile and run of the longest chain a method)")
     p.add_argument("--pallas-k-splits", default=",".join(map(str, PALLAS_K_SPLITS)),
                    help="comma-separated k_splits of the Pallas row to try at each point, the "
                         "fastest kept (GPU; default %(default)s)")

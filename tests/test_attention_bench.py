@@ -75,6 +75,13 @@ def test_attention_bench_quick(tmp_path):
         # short against a loaded CPU's jitter (test_prefill_bench's glue row was, in CI once)
         assert len(r["chain_lengths"]) == 3
         assert r["us_per_call"] > 0 or (r["method"] == "glue" and np.isnan(r["us_per_call"])), r
+        # and each method's longest chain under the profiler: its kernels' time a call
+        assert r["kernels_us_per_call"] > 0, r
+    header = table.splitlines()[0].split(" | ")
+    assert header[4] == "kernels' µs / call (profiler)", header
+    row = next(line for line in table.splitlines() if "chain glue" in line).split(" | ")
+    glue = next(r for r in result["rows"] if r["method"] == "glue" and r["point"] == "2x512")
+    assert row[4] == f"{glue['kernels_us_per_call']:.2f}", (row, glue)
     assert (tmp_path / "attention_bench.md").exists()
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "attention_bench.png").stat().st_size > 0
@@ -263,10 +270,11 @@ def test_pallas_row_on_a_gpu_picks_the_fastest_k_splits(bench, monkeypatch):
     point = next(p for p in bench.make_points(True, 0) if p["name"] == "ragged4")
     args = argparse.Namespace(only=["bf16", "pallas"], pallas_k_splits=[1, 4, 64], repeats=1,
                               target_seconds=0.0, max_chain=3, min_chain=3, max_chain_jnp=16,
-                              max_chain_dense=64, step_layers=0)
+                              max_chain_dense=64, step_layers=0, profiler=False)
     lines = []
     rows, skipped = bench.run_point(point, args, 1e9, 1 << 40, jax.random.key(0), lines.append)
     assert skipped == []
+    assert all(r["kernels_us_per_call"] is None for r in rows)  # --no-profiler
     (row,) = [r for r in rows if r["method"] == "pallas"]
     tried = {bench.pallas_label(k) for k in (1, 4)}  # 64 leaves partitions empty: not tried
     assert set(row["variants_us"]) == tried
@@ -461,6 +469,28 @@ def test_kernel_targets_are_issue_18s(bench):
     assert set(checks) == {*bench.TARGET_US, *bench.TARGET_PCT, "ragged32"}
     rows[0]["us_per_call"] = 6.5
     assert {c["point"]: c for c in bench.evaluate_targets(result)}["1x4096"]["status"] == "FAIL"
+
+
+def test_time_targets_give_the_profilers_kernels_beside_the_verdict(bench):
+    """A time target's line says the call's kernels' device time (the profiler's) and the
+    chain glue's share where the rows have them; the verdict stays the chain's time."""
+    kernel = {"point": "1x4096", "method": "kernel", "us_per_call": 14.5, "spread_pct": 1.0,
+              "pct_ceiling": 10.0, "x_floor": 9.0, "kernels_us_per_call": 12.25}
+    glue = {"point": "1x4096", "method": "glue", "us_per_call": 2.6, "spread_pct": 1.0,
+            "pct_ceiling": None, "x_floor": None, "kernels_us_per_call": 1.5}
+    result = {"rows": [kernel, glue], "points": [], "config": {"step_layers": 0}}
+    check = {c["point"]: c for c in bench.evaluate_targets(result)}["1x4096"]
+    assert check["status"] == "FAIL" and check["value"] == "14.50 us"
+    assert check["note"] == "profiler: 12.25 us of kernels a call, 1.50 of them the chain's glue"
+    result = {"rows": [{**kernel, "kernels_us_per_call": None}, glue], "points": [],
+              "config": {"step_layers": 0}, "platform": "gpu"}
+    result["targets"] = bench.evaluate_targets(result)
+    assert "note" not in {c["point"]: c for c in result["targets"]}["1x4096"]
+    result["rows"] = [kernel]  # no glue row: the kernels' time alone
+    result["targets"] = bench.evaluate_targets(result)
+    assert {c["point"]: c for c in result["targets"]}["1x4096"]["note"] == \
+        "profiler: 12.25 us of kernels a call"
+    assert "(profiler: 12.25 us of kernels a call)" in bench.targets_text(result)
 
 
 def _time_round_with(bench, monkeypatch, times, lengths=(2, 5, 8)):
