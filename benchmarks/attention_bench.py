@@ -809,7 +809,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                     method.close()
             built = [m for m in built if m.alive()]
         for method in built:
-            method.extra["kernels_us_per_call"] = (_profiled_us(method, log) if args.profiler
+            method.extra["kernels_us_per_call"] = (profiled_us(method, log) if args.profiler
                                                    else None)
         return [_row(point, m, ceiling_bps) for m in built if len(m.rounds) == 2], skipped
     finally:
@@ -819,8 +819,9 @@ def run_point(point, args, ceiling_bps, budget, key, log):
         jax.clear_caches()
 
 
-def _profiled_us(method, log):
-    """Method.profiled in µs, or None (logged) where the trace fails or names no op."""
+def profiled_us(method, log):
+    """Method.profiled in µs, or None (logged) where the trace fails or names no op (this
+    benchmark's and prefill_bench.py's rows)."""
     try:
         seconds = method.profiled()
     except Exception as e:  # noqa: BLE001  (e.g. out of memory: the row keeps its chain time)
@@ -1222,6 +1223,9 @@ def timing_options(description, methods, points_example):
     p.add_argument("--ceiling-gib", type=float, default=None,
                    help="buffer of the ceiling measurement (default 2, quick 1/16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-profiler", dest="profiler", action="store_false",
+                   help="skip the profiler's run of each method (its kernels' µs a call: one "
+                        "more compile and run of the longest chain a method)")
     return p
 
 
@@ -1229,9 +1233,6 @@ def main(argv=None):
     p = timing_options(__doc__.split("\n\n")[0], METHODS, "32x32768,ragged32")
     p.add_argument("--max-chain-jnp", type=int, default=16,
                    help="longest chain of the jnp readers (their programs are large)")
-    p.add_argument("--no-profiler", dest="profiler", action="store_false",
-                   help="skip the profiler's run of each method (its kernels' µs a call: one "
-                        "more compile and run of the longest chain a method)")
     p.add_argument("--pallas-k-splits", default=",".join(map(str, PALLAS_K_SPLITS)),
                    help="comma-separated k_splits of the Pallas row to try at each point, the "
                         "fastest kept (GPU; default %(default)s)")

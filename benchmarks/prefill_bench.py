@@ -46,7 +46,10 @@ query qs[i] + prev * 0 and block table tables[i] + int(prev[0, 0, 0] * 0) (prev:
 output), so each call depends on the previous one; wall time after block_until_ready, median of
 several runs (store_bench._time_program), for chain lengths n1 < nm < n2; per call =
 (t(n2) - t(n1)) / (n2 - n1), "lin" = slope nm..n2 over slope n1..nm. Two rounds over all methods
-of a point; a row reports their mean and spread. The copy ceiling (store_bench.measure_ceiling)
+of a point; a row reports their mean and spread, and its kernels' device time a call from a
+profiler trace of its longest chain (attention_bench.py's; `--no-profiler` skips it: the
+bound row's kernels less the glue row's are the wide kernel's and its merge's, without the
+launch gaps). The copy ceiling (store_bench.measure_ceiling)
 and a bf16 matrix-product peak (an n x n x n jnp.dot chained 2 and 8 times) are measured in the
 same run.
 
@@ -531,7 +534,7 @@ def make_row(point, key, label, rounds, work, ceiling_bps, peak_flops, extra=Non
            "pct_floor": 100 * floor / t if key != "glue" and t > 0 else None,
            "regime": regime(work, ceiling_bps, peak_flops),
            "linearity": None, "chain_lengths": None, "implementation": None,
-           "vs_dense": None, "x_ref": None, "ref": None}
+           "vs_dense": None, "x_ref": None, "ref": None, "kernels_us_per_call": None}
     row.update(extra or {})
     return row
 
@@ -543,14 +546,17 @@ def regime(work, ceiling_bps, peak_flops):
 def point_rows(point, alive, ceiling_bps, peak_flops):
     rows = [make_row(point, m.key, m.label, m.rounds, m.wl["work"], ceiling_bps, peak_flops,
                      {"linearity": m.linearity, "chain_lengths": list(m.lengths),
-                      "implementation": m.implementation})
+                      "implementation": m.implementation,
+                      "kernels_us_per_call": m.extra.get("kernels_us_per_call")})
             for m in alive if len(m.rounds) == 2]
     parts = [r for r in rows if r["method"].startswith("part_")]
     if len(parts) == 2:
         rounds = [sum(r[f"us_round{i}"] for r in parts) / 1e6 for i in (1, 2)]
         work = {k: sum(r[k] for r in parts) for k in ("flops", "nvfp4_bytes")}
+        kernels = [r["kernels_us_per_call"] for r in parts]
         rows.append(make_row(point, "parts", label("parts"), rounds, work, ceiling_bps,
-                             peak_flops))
+                             peak_flops, {"kernels_us_per_call": None if None in kernels
+                                          else sum(kernels)}))
     return rows
 
 
@@ -655,6 +661,9 @@ def run_point(point, args, ceiling_bps, peak_flops, key, log):
         built = build_methods(point, specs, inputs, args, n_calls, log, skipped)
         point["sanity"] = sanity(point, built, log)
         built = time_rounds(point, built, args, log, skipped)
+        for method in built:
+            method.extra["kernels_us_per_call"] = (ab.profiled_us(method, log) if args.profiler
+                                                   else None)
         return point_rows(point, built, ceiling_bps, peak_flops), skipped
     finally:
         for method in built:
@@ -709,8 +718,10 @@ def run(args, log=_log):
             jax.clear_caches()
         for r in new_rows:
             lin = "" if r["linearity"] is None else f" lin {r['linearity']:.2f}"
+            kernels = ("" if r.get("kernels_us_per_call") is None
+                       else f"; kernels {r['kernels_us_per_call']:.1f} us")
             log(f"  {r['label']:<44.44} {r['us_per_call']:10.1f} us (rounds {r['us_round1']:.1f},"
-                f" {r['us_round2']:.1f}{lin}) {ab._fmt(r['tflops'], '7.1f')} TFLOP/s "
+                f" {r['us_round2']:.1f}{lin}{kernels}) {ab._fmt(r['tflops'], '7.1f')} TFLOP/s "
                 f"{ab._fmt(r['pct_floor'], '6.1f')}% of bytes floor")
             if not args.quick and r["linearity"] is not None and not 0.8 <= r["linearity"] <= 1.25:
                 log(f"  WARNING: {r['label']}: chain time not linear (lin {r['linearity']:.2f})")
@@ -799,10 +810,12 @@ def markdown(result):
              "bytes floor: the row's NVFP4 pages (read once) at the ceiling over its time (for "
              "dense rows the point's NVFP4 floor too); vs dense: the best dense row's time over "
              "this row's (throughput ratio); x ref: this row's time over the decode reader's "
-             "(spec) or the sum of the parts (mixed). Spread: the two timings apart.", "",
+             "(spec) or the sum of the parts (mixed). Spread: the two timings apart. Kernels' "
+             "µs: the device time of the chain's kernels a call, from a profiler trace (no "
+             "launch gaps; the chain's glue kernels in it: the glue row has them alone).", "",
              "| point | bound | method | µs / call | spread % | TFLOP/s | % of peak | "
-             "% of bytes floor | vs dense | x ref |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "% of bytes floor | vs dense | x ref | kernels' µs / call (profiler) |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for p in result["points"]:
         rows = [r for r in result["rows"] if r["point"] == p["name"]]
         for r in rows:
@@ -810,15 +823,16 @@ def markdown(result):
                 f"| {r['point']} | {r['regime']} | {r['label']} | {r['us_per_call']:.1f} | "
                 f"{r['spread_pct']:.1f} | {ab._fmt(r['tflops'], '.1f')} | "
                 f"{ab._fmt(r['pct_peak'], '.1f')} | {ab._fmt(r['pct_floor'], '.1f')} | "
-                f"{ab._fmt(r['vs_dense'], '.2f')} | {ab._fmt(r['x_ref'], '.2f')} |")
+                f"{ab._fmt(r['vs_dense'], '.2f')} | {ab._fmt(r['x_ref'], '.2f')} | "
+                f"{ab._fmt(r.get('kernels_us_per_call'), '.1f')} |")
         if rows:
             w = p["work"]
             lines.append(f"| {p['name']} | | floor: NVFP4 pages ({w['unique_pages']} pages, "
                          f"{w['nvfp4_bytes'] / 1e6:.1f} MB) | "
-                         f"{w['nvfp4_bytes'] / c['ceiling_Bps'] * 1e6:.1f} | | | | 100.0 | | |")
+                         f"{w['nvfp4_bytes'] / c['ceiling_Bps'] * 1e6:.1f} | | | | 100.0 | | | |")
             lines.append(f"| {p['name']} | | floor: FLOPs at the matrix-product peak "
                          f"({w['flops'] / 1e9:.1f} GFLOP) | {w['flops'] / peak * 1e6:.1f} | | "
-                         f"{peak / 1e12:.1f} | 100.0 | | | |")
+                         f"{peak / 1e12:.1f} | 100.0 | | | | |")
     return "\n".join(lines)
 
 

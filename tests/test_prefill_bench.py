@@ -58,6 +58,15 @@ def test_prefill_bench_quick(tmp_path):
         assert p["sanity"]["ragged_vs_dense"] < 1.5e-2, p
     mixed = next(p for p in result["points"] if p["kind"] == "mixed")
     assert mixed["sanity"]["ragged_vs_parts"] < 1e-6  # the jnp paths agree bit for bit
+    # Each row's kernels' time a call from a profiler trace of its longest chain (the parts row:
+    # its two parts' summed), the table's last column
+    for r in result["rows"]:
+        assert r["kernels_us_per_call"] > 0, r
+    (parts,) = [r for r in result["rows"] if r["method"] == "parts"]
+    assert parts["kernels_us_per_call"] == pytest.approx(
+        sum(r["kernels_us_per_call"] for r in result["rows"] if r["method"].startswith("part_")))
+    header = table.splitlines()[0].strip("| ").split(" | ")
+    assert header[-1] == "kernels' µs / call (profiler)", header
     for r in result["rows"]:
         # The benchmarks' two-length rule (store_bench._per_call): a chain difference that is
         # never positive gives NaN, never 0 or below. On a loaded CPU that can happen to the glue
