@@ -621,24 +621,16 @@ class Method:
         return per_call
 
     def profiled(self):
-        """Device seconds per call of its longest chain by a profiler trace (store_bench's
-        method: the program compiled without command buffers, so that each kernel's event
-        names its instruction; the self times of the device's op events summed, over the
-        chain's length), or None where the trace names no op. The launch gaps that a chain's
-        wall time counts are left out; the chain's own glue kernels are in it (the glue row
-        has them alone)."""
+        """Device seconds per call of its longest chain by a profiler trace
+        (store_bench.kernels_time: compiled without command buffers, so that each kernel's
+        event names its instruction), or None where the trace names no op. The launch gaps that
+        a chain's wall time counts are left out; the chain's own glue kernels are in it (the
+        glue row has them alone)."""
         n = self.lengths[-1]
         program = chain_program(self.step, n).lower(self.carry, *self.args).compile(
             store_bench.PROFILE_COMPILER_OPTIONS)
-        self.carry = _ready(program(self.carry, *self.args))  # warm
-        self.carry, trace = store_bench.traced(lambda: _ready(program(self.carry, *self.args)))
-        if trace is None:
-            return None
-        folder, path = trace
-        with folder:
-            total_ns = sum(t for events in store_bench.op_timelines(path).values()
-                           for t, _ in store_bench.self_times(events))
-        return total_ns * 1e-9 / n if total_ns > 0 else None
+        seconds, self.carry = store_bench.kernels_time(program, self.carry, self.args, n)
+        return seconds
 
     def alive(self):
         """Whether its carry is still there (a failed timing closes the method)."""
@@ -808,9 +800,7 @@ def run_point(point, args, ceiling_bps, budget, key, log):
                     method.rounds = []
                     method.close()
             built = [m for m in built if m.alive()]
-        for method in built:
-            method.extra["kernels_us_per_call"] = (profiled_us(method, log) if args.profiler
-                                                   else None)
+        record_kernels_times(built, args.profiler, log)
         return [_row(point, m, ceiling_bps) for m in built if len(m.rounds) == 2], skipped
     finally:
         for method in built:
@@ -819,17 +809,21 @@ def run_point(point, args, ceiling_bps, budget, key, log):
         jax.clear_caches()
 
 
-def profiled_us(method, log):
-    """Method.profiled in µs, or None (logged) where the trace fails or names no op (this
-    benchmark's and prefill_bench.py's rows)."""
-    try:
-        seconds = method.profiled()
-    except Exception as e:  # noqa: BLE001  (e.g. out of memory: the row keeps its chain time)
-        log(f"  {method.label}: profiler timing failed ({_first_line(e)})")
-        return None
-    if seconds is None:
-        log(f"  {method.label}: the profiler's trace names no op: no kernels' time")
-    return None if seconds is None else seconds * 1e6
+def record_kernels_times(methods, profiler, log):
+    """Each method's ``kernels_us_per_call`` (its row's): Method.profiled in µs, None without
+    ``profiler`` (--no-profiler) or where the trace fails or names no op (logged). This
+    benchmark's rows and prefill_bench.py's."""
+    for method in methods:
+        seconds = None
+        if profiler:
+            try:
+                seconds = method.profiled()
+            except Exception as e:  # noqa: BLE001  (e.g. out of memory: the chain time stays)
+                log(f"  {method.label}: profiler timing failed ({_first_line(e)})")
+            else:
+                if seconds is None:
+                    log(f"  {method.label}: the profiler's trace names no op: no kernels' time")
+        method.extra["kernels_us_per_call"] = None if seconds is None else seconds * 1e6
 
 
 def _sanity(built, log):

@@ -133,10 +133,28 @@ __global__ void __launch_bounds__(kThreads) chain(const int* seq_len, const int*
   }
 }
 
+// The device buffers every launch reads and writes, and launch i of a stage (its own table,
+// partials, counters and span slots) on `stream`.
+struct Buffers {
+  const int* seq_len;
+  const int* tables;
+  const uint4* pool;
+  float* partial;
+  unsigned* counters;
+  float* out;
+  unsigned long long* starts;
+  unsigned long long* ends;
+};
+
 template <int kStage>
-void run(const int* seq_len, const int* tables, const uint4* pool, float* partial,
-         unsigned* counters, float* out, unsigned long long* starts, unsigned long long* ends,
-         uint8_t* flush, size_t flush_bytes, bool flushed) {
+void launch(const Buffers& b, int i, cudaStream_t stream = 0) {
+  chain<kStage><<<kKvHeads * kSplits, kThreads, 0, stream>>>(
+      b.seq_len, b.tables + i * kSeqPages, b.pool, b.partial + i * kKvHeads * kSplits,
+      b.counters + i * kKvHeads, b.out, b.starts + i, b.ends + i);
+}
+
+template <int kStage>
+void run(const Buffers& b, uint8_t* flush, size_t flush_bytes, bool flushed) {
   std::vector<cudaEvent_t> before(kLaunches), after(kLaunches);
   for (int i = 0; i < kLaunches; ++i) {
     CHECK(cudaEventCreate(&before[i]));
@@ -145,17 +163,14 @@ void run(const int* seq_len, const int* tables, const uint4* pool, float* partia
   for (int i = 0; i < kLaunches; ++i) {
     if (flushed) CHECK(cudaMemsetAsync(flush, i & 0xFF, flush_bytes));
     CHECK(cudaEventRecord(before[i]));
-    chain<kStage><<<kKvHeads * kSplits, kThreads>>>(seq_len, tables + i * kSeqPages, pool,
-                                                    partial + i * kKvHeads * kSplits,
-                                                    counters + i * kKvHeads, out, starts + i,
-                                                    ends + i);
+    launch<kStage>(b, i);
     CHECK(cudaEventRecord(after[i]));
   }
   CHECK(cudaGetLastError());
   CHECK(cudaDeviceSynchronize());
   std::vector<unsigned long long> s(kLaunches), ends_ns(kLaunches);
-  CHECK(cudaMemcpy(s.data(), starts, kLaunches * 8, cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(ends_ns.data(), ends, kLaunches * 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(s.data(), b.starts, kLaunches * 8, cudaMemcpyDeviceToHost));
+  CHECK(cudaMemcpy(ends_ns.data(), b.ends, kLaunches * 8, cudaMemcpyDeviceToHost));
   std::vector<double> span;
   for (int i = 10; i < kLaunches; ++i) span.push_back((ends_ns[i] - s[i]) * 1e-3);  // 10 warm-ups
   std::vector<double> events;  // the stream's time for the launch (its events' difference)
@@ -180,19 +195,14 @@ void run(const int* seq_len, const int* tables, const uint4* pool, float* partia
 // memsets between them), the median of 5 differences of a 200- and a 100-launch chain.
 // With `graph`, each chain is one CUDA graph of its launches, built before the timing.
 template <int kStage>
-double chained(const int* seq_len, const int* tables, const uint4* pool, float* partial,
-               unsigned* counters, float* out, unsigned long long* starts,
-               unsigned long long* ends, bool graph) {
+double chained(const Buffers& b, bool graph) {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
+  cudaEvent_t begin, end;
+  CHECK(cudaEventCreate(&begin));
+  CHECK(cudaEventCreate(&end));
   const auto launches = [&](int n) {
-    for (int i = 0; i < n; ++i)
-      chain<kStage><<<kKvHeads * kSplits, kThreads, 0, stream>>>(
-          seq_len, tables + i * kSeqPages, pool, partial + i * kKvHeads * kSplits,
-          counters + i * kKvHeads, out, starts + i, ends + i);
+    for (int i = 0; i < n; ++i) launch<kStage>(b, i, stream);
   };
   cudaGraphExec_t execs[2] = {};  // the chains of kLaunches / 2 and kLaunches launches
   if (graph) {
@@ -206,14 +216,14 @@ double chained(const int* seq_len, const int* tables, const uint4* pool, float* 
     }
   }
   const auto chain_ms = [&](int n) {
-    CHECK(cudaMemsetAsync(counters, 0, kLaunches * kKvHeads * 4, stream));  // fresh counters
-    CHECK(cudaEventRecord(a, stream));
+    CHECK(cudaMemsetAsync(b.counters, 0, kLaunches * kKvHeads * 4, stream));  // fresh counters
+    CHECK(cudaEventRecord(begin, stream));
     if (graph) CHECK(cudaGraphLaunch(execs[n == kLaunches], stream));
     else launches(n);
-    CHECK(cudaEventRecord(b, stream));
-    CHECK(cudaEventSynchronize(b));
+    CHECK(cudaEventRecord(end, stream));
+    CHECK(cudaEventSynchronize(end));
     float ms;
-    CHECK(cudaEventElapsedTime(&ms, a, b));
+    CHECK(cudaEventElapsedTime(&ms, begin, end));
     return double(ms);
   };
   chain_ms(kLaunches);  // warm-up
@@ -223,8 +233,8 @@ double chained(const int* seq_len, const int* tables, const uint4* pool, float* 
     per_call.push_back((full - half) * 1e3 / (kLaunches - kLaunches / 2));
   }
   CHECK(cudaGetLastError());
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
+  CHECK(cudaEventDestroy(begin));
+  CHECK(cudaEventDestroy(end));
   for (cudaGraphExec_t exec : execs)
     if (exec) CHECK(cudaGraphExecDestroy(exec));
   CHECK(cudaStreamDestroy(stream));
@@ -265,6 +275,7 @@ int main() {
   CHECK(cudaMemset(pool, 0x5A, pool_bytes));
   printf("| stage | L2 | median span µs | 10th | 90th | events µs (median) |\n"
          "| --- | --- | ---: | ---: | ---: | ---: |\n");
+  const Buffers buffers{d_len, d_tables, pool, partial, counters, out, starts, ends};
   std::vector<double> chained_us[2][2];  // [same pages][graph][stage]
   for (bool flushed : {true, false}) {
     // warm: each launch reads the same pages, which the launches before left in the L2 (as a
@@ -278,11 +289,10 @@ int main() {
       CHECK(cudaMemset(counters, 0, kLaunches * kKvHeads * 4));
       CHECK(cudaMemset(starts, 0xFF, kLaunches * 8));
       CHECK(cudaMemset(ends, 0, kLaunches * 8));
-      run<decltype(kind)::value>(d_len, d_tables, pool, partial, counters, out, starts, ends,
-                                 flush, flush_bytes, flushed);
+      run<decltype(kind)::value>(buffers, flush, flush_bytes, flushed);
       for (int graph = 0; graph < 2; ++graph)
-        chained_us[!flushed][graph].push_back(chained<decltype(kind)::value>(
-            d_len, d_tables, pool, partial, counters, out, starts, ends, graph));
+        chained_us[!flushed][graph].push_back(
+            chained<decltype(kind)::value>(buffers, graph));
     };
     stage(std::integral_constant<int, kEmpty>{});
     stage(std::integral_constant<int, kTable>{});

@@ -46,15 +46,15 @@ def find_point(name):
 
 
 def ragged_call(point, bound, seed=0):
-    """A prefill_bench point's ragged call, jitted, as a function of nothing."""
-    inputs = prefill_bench.make_inputs(point, {"ragged"}, 1, jax.random.PRNGKey(seed))
-    lens = {"seq_lens": jnp.asarray(point["seq_lens"], jnp.int32),
-            "num_seqs": jnp.int32(len(point["seq_lens"])),
-            "cu_q_lens": jnp.asarray(point["cu_q_lens"], jnp.int32)}
-    max_q_len = int(np.max(point["q_lens"])) if bound else None
-    call = jax.jit(lambda q, table: prefill_bench.ragged_attn(q, table, lens, inputs["nvfp4"],
-                                                              max_q_len=max_q_len))
-    return lambda: call(inputs["qs"][0], inputs["tables"][0])
+    """A prefill_bench point's ragged call (its ragged or bound row's: the benchmark's own
+    arguments and call), jitted, as a function of nothing."""
+    key = "ragged_bound" if bound else "ragged"
+    inputs = prefill_bench.make_inputs(point, {key}, 1, jax.random.PRNGKey(seed))
+    wl = dict(prefill_bench.sub_workloads(point))["ragged"]
+    qs, tables, lens, arrays = prefill_bench.method_args(key, wl, inputs)
+    ((_, attn, _),) = prefill_bench.candidates(key, point)
+    call = jax.jit(attn)
+    return lambda: call(qs[0], tables[0], lens, arrays)
 
 
 def decode_call(point, seed=0):

@@ -661,9 +661,7 @@ def run_point(point, args, ceiling_bps, peak_flops, key, log):
         built = build_methods(point, specs, inputs, args, n_calls, log, skipped)
         point["sanity"] = sanity(point, built, log)
         built = time_rounds(point, built, args, log, skipped)
-        for method in built:
-            method.extra["kernels_us_per_call"] = (ab.profiled_us(method, log) if args.profiler
-                                                   else None)
+        ab.record_kernels_times(built, args.profiler, log)
         return point_rows(point, built, ceiling_bps, peak_flops), skipped
     finally:
         for method in built:

@@ -209,18 +209,25 @@ def traced(run):
     return result, (folder, paths[0]) if paths else None
 
 
-def profiled_chain_time(step, state, per_call_args, n):
-    """Device seconds per call of a chain of n calls from the kernels' events in a profiler
-    trace (their self times summed; None where the trace has no op events), and the state."""
-    program = _chain(step, n).lower(state, per_call_args[:n]).compile(PROFILE_COMPILER_OPTIONS)
-    state = _ready(program(state, per_call_args[:n]))  # warm
-    state, trace = traced(lambda: _ready(program(state, per_call_args[:n])))
+def kernels_time(program, state, args, n):
+    """Device seconds per call of ``program(state, *args) -> state``, a chain of n calls
+    compiled with PROFILE_COMPILER_OPTIONS, from the kernels' events in a profiler trace of one
+    run after a warm one (their self times summed; None where the trace has no op events), and
+    the state after. Also attention_bench.py's and prefill_bench.py's kernels' column."""
+    state = _ready(program(state, *args))  # warm
+    state, trace = traced(lambda: _ready(program(state, *args)))
     if trace is None:
         return None, state
     folder, path = trace
     with folder:
         total_ns = sum(t for events in op_timelines(path).values() for t, _ in self_times(events))
     return (total_ns * 1e-9 / n if total_ns > 0 else None), state
+
+
+def profiled_chain_time(step, state, per_call_args, n):
+    """kernels_time of a chain of n calls of step (this benchmark's), and the state."""
+    program = _chain(step, n).lower(state, per_call_args[:n]).compile(PROFILE_COMPILER_OPTIONS)
+    return kernels_time(program, state, (per_call_args[:n],), n)
 
 
 def chain_lengths(step, state, per_call_args, target_s):
