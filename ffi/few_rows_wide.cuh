@@ -115,38 +115,44 @@ struct WideEntry {
   uint32_t row_off;
 };
 
-// One thread's share of the ring's copies: position p = t % kWideStep of each step, side
-// t / kWideStep (K, V), zero-filled at or past `end`. The block-table entry of the next step
-// to copy is read a step ahead (fetch), so that its latency never holds up the copies. What
-// does not change from step to step (this thread's side of the cache at its kv head, its
-// places in a stage) is worked out once: a step's copies then cost the page's address and the
-// five cp.async.
+// One thread's share of the ring's copies: position p = t / 2 of each step, and of its K and V
+// code rows the 16-byte pieces h and h + 2 (h = t % 2), and the scale bytes of side h (K, V),
+// zero-filled at or past `end`. (So a lane pair copies a 32-byte sector of a row whole in each
+// instruction: with a position a thread, a piece an instruction, each sector was requested
+// twice, in two instructions: ncu, ragged v40.) The block-table entry of the step to copy is
+// read ahead (fetch), so that its latency never holds up the copies. What does not change from
+// step to step (this thread's places in the cache at its kv head and in a stage) is worked out
+// once: a step's copies then cost the page's address and the five cp.async.
 template <bool kSwizzle, Layout kLayout>
 struct WideCopy {
-  static_assert(kWideThreads == 2 * kWideStep, "a thread per position and side");
+  static_assert(kWideThreads == 2 * kWideStep, "a thread pair per position");
   static_assert(WideShape::kStageBytes % 64 == 0 && WideShape::kRingAt % 64 == 0,
                 "stages 64-byte aligned: a position's code pieces are one 64-byte row");
   using W = WideShape;
   const PageView<kLayout>& pv;
-  const uint8_t* side_at_head;  // the cache, this thread's side, plane row head_row of page 0
-  int32_t scale_from_row0;      // from side_at_head to the side's scales of that plane row
+  const uint8_t* k_at_head;   // the cache's K side, plane row head_row of page 0, piece h
+  const uint8_t* scale_at_head;  // side h's scale bytes of that plane row
   uint32_t end;
   uint32_t p;
-  uint32_t code_to;   // shared address in stage 0 of this position's codes (piece 0 swizzled)
-  uint32_t scale_to;  // and of its scale bytes
-  WideEntry next{};  // fetched: where this thread's position of the next step is
+  bool v_scales;      // this thread copies V's scale bytes (h = 1), else K's
+  uint32_t k_code_to;  // shared address in stage 0 of piece h of this position's K codes
+  uint32_t v_code_to;  // and of its V codes (swizzled: wide_v_code_at)
+  uint32_t scale_to;   // and of its side h's scale bytes
+  WideEntry next{};  // fetched: where this thread's position of the next step to copy is
 
   __device__ __forceinline__ WideCopy(const PageView<kLayout>& view, uint32_t end_,
                                       const uint8_t* ring)
-      : pv(view), end(end_), p(threadIdx.x % kWideStep) {
-    const bool v_side = threadIdx.x >= kWideStep;
-    side_at_head = pv.cache + (v_side ? pv.side_bytes : 0) + int64_t(pv.head_row) * W::kCodeBytes;
-    scale_from_row0 = pv.side_data + pv.head_row * (W::kScaleBytes - W::kCodeBytes);
-    // V's pieces are swizzled (wide_v_code_at): piece c of a position's 64-byte row is at
-    // (its piece 0) ^ 16 c.
-    code_to = shared_address(ring) +
-              (v_side ? wide_v_code_at(int(p), 0) : W::kKCodeAt + int(p) * W::kCodeBytes);
-    scale_to = shared_address(ring) + (v_side ? W::kVScaleAt : W::kKScaleAt) + p * W::kScaleBytes;
+      : pv(view), end(end_), p(threadIdx.x / 2), v_scales(threadIdx.x % 2 != 0) {
+    const int h = int(threadIdx.x % 2);
+    k_at_head = pv.cache + int64_t(pv.head_row) * W::kCodeBytes + 16 * h;
+    scale_at_head = pv.cache + (v_scales ? pv.side_bytes : 0) + pv.side_data +
+                    int64_t(pv.head_row) * W::kScaleBytes;
+    // Piece h + 2 is at (piece h) ^ 32 on both sides (V's pieces are swizzled by XOR with a
+    // value below 4: wide_v_code_at).
+    k_code_to = shared_address(ring) + W::kKCodeAt + int(p) * W::kCodeBytes + 16 * h;
+    v_code_to = shared_address(ring) + wide_v_code_at(int(p), h);
+    scale_to = shared_address(ring) + (v_scales ? W::kVScaleAt : W::kKScaleAt) +
+               p * W::kScaleBytes;
   }
 
   // Swizzled V scales: rows 4k .. 4k + 3 of a page hold the scales of those 4 positions
@@ -167,15 +173,15 @@ struct WideCopy {
                                        const WideEntry& at) const {
     const uint32_t pos = base + p;
     const bool valid = pos < end, group_valid = (pos & ~3u) < end;
-    const bool v_side = threadIdx.x >= kWideStep;
-    const uint8_t* const page = side_at_head + pv.page_offset(at.entry);
-    const uint8_t* const codes = page + at.row_off * W::kCodeBytes;
-    const uint32_t to = code_to + stage_at;
-#pragma unroll
-    for (int c = 0; c < W::kCodeBytes / 16; ++c)
-      copy_async_to<16>(to ^ (16u * c), codes + 16 * c, valid);
-    copy_async_to<8>(scale_to + stage_at, page + scale_from_row0 + at.row_off * W::kScaleBytes,
-                     v_side && kSwizzle ? group_valid : valid);
+    const int64_t page = pv.page_offset(at.entry);
+    const uint8_t* const k_codes = k_at_head + page + at.row_off * W::kCodeBytes;
+    const uint8_t* const v_codes = k_codes + pv.side_bytes;
+    copy_async_to<16>(k_code_to + stage_at, k_codes, valid);
+    copy_async_to<16>((k_code_to + stage_at) ^ 32u, k_codes + 32, valid);
+    copy_async_to<16>(v_code_to + stage_at, v_codes, valid);
+    copy_async_to<16>((v_code_to + stage_at) ^ 32u, v_codes + 32, valid);
+    copy_async_to<8>(scale_to + stage_at, scale_at_head + page + at.row_off * W::kScaleBytes,
+                     v_scales && kSwizzle ? group_valid : valid);
   }
 };
 
@@ -226,7 +232,6 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     if (i < num_steps) copier.copy(uint32_t(i * W::kStageBytes), step_base(i), first[i]);
     copy_async_commit();
   }
-  if (kWideStages < num_steps) copier.fetch(step_base(kWideStages));
 
   // q^T: warp w converts rows 8w .. 8w + 7 (its lane g's row) as chunk_attention's B fragments
   // and stores them where the K-major operand has them: k-step s's words 0 and 1 at K
@@ -354,6 +359,11 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         wgmma_64x32(s[j], kf[j][k],
                     desc_plus(q_desc, (k >> 2) * W::kBBlockBytes + (k & 3) * 32));
     wgmma_commit();
+    // Where this thread's position of step i + kWideStages is (the refill below copies it): loaded
+    // here, after the step's last wgmma fence before the refill, because ptxas makes a wgmma
+    // fence wait for every load in flight (fetched in the step before's refill, the entry held
+    // up the next step's first fence by a round trip: ncu, ragged v40).
+    if (i + kWideStages < num_steps) copier.fetch(step_base(i + kWideStages));
 
     // V^T's A fragments (the step before's product, which reads them, done first): k16 step
     // k's 16 positions through ldmatrix.trans, this warp's dims 32 w .. 32 w + 31 (lane g: 4).
@@ -499,10 +509,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     };
     // The copies of step i + kWideStages into this step's stage (every warp done reading it).
     const auto refill = [&] {
-      if (i + kWideStages < num_steps) {
+      if (i + kWideStages < num_steps)
         copier.copy(stage_at, step_base(i + kWideStages), copier.next);
-        if (i + kWideStages + 1 < num_steps) copier.fetch(step_base(i + kWideStages + 1));
-      }
       copy_async_commit();
     };
     // Every warp is done reading this stage, and the vote.
