@@ -7,6 +7,13 @@ launches are the call's own.
         python3 -P benchmarks/one_call.py --point spec32x8 --bound
     ncu --set full -k regex:DecodeKernel --launch-count 1 --kill yes \\
         python3 -P benchmarks/one_call.py --point 1x4096
+    ncu --set full -k regex:WideRowsKernel --launch-count 1 -o wide \\
+        python3 -P benchmarks/one_call.py --point spec32x8 --bound
+    ncu --import wide.ncu-rep --page source --csv --print-source sass > wide-sass.csv
+
+(The last form is the one that served the source view: on the H100 of 2026-12-07 the live
+``--page source --print-source sass`` run, and once a ``-o`` run, died of a segmentation
+fault right after ncu attached, before any kernel; the same ``-o`` run again worked.)
 
 A prefill_bench.py point (chunked1x2048, spec32x8, spec<B>x8, ...) is its ragged call
 (``ragged_attn`` on that benchmark's pages, tables and queries; ``--bound`` passes

@@ -18,6 +18,13 @@ whether ptxas serialised its ``wgmma`` (see :func:`serialized_wgmma`). With
 registers live at each instruction), and with ``--loop`` the loop's peak and where it is: what
 the register budget of a launch bound has to hold (ragged v36 and v37, benchmarks/NOTES.md).
 
+``--scoreboards`` (with ``--loop``): the loop's instructions that wait on a scoreboard, each with
+the instruction that set it (the nearest before it, through the loop's back edge; ``write``: its
+result, ``read``: its source registers, held until a memory instruction has read them), read
+from the control bits of each instruction's second 64-bit word. Why an instruction stalls on
+"long scoreboard" in ncu's source view is where this points (ragged v40, benchmarks/NOTES.md:
+a ``wgmma`` fence waiting for a block-table load of the step before).
+
 ``--loop SUBSTRING``: for the first kernel whose mangled name contains it, the largest loop (a
 backward branch) that holds tensor-core instructions (HMMA or HGMMA): its static instructions,
 and the **common path** of the decode and few-row kernels' chunk loop: the loop less the
@@ -60,6 +67,61 @@ def functions(sass):
     for part in re.split(r"\n\s*Function : ", sass)[1:]:
         name = part.split("\n", 1)[0].strip()
         out[name] = [(int(a, 16), t.strip()) for a, t in _INSTRUCTION.findall(part)]
+    return out
+
+
+_ENCODED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);\s*/\*\s*0x[0-9a-f]+\s*\*/\s*\n"
+                      r"\s*/\*\s*(0x[0-9a-f]+)\s*\*/")
+#: A scoreboard index of 7 in a control field means none.
+_NO_SCOREBOARD = 7
+
+
+def control(high):
+    """The scheduling controls of an instruction (sm_70 and later) from its second 64-bit word,
+    bits 41 and up: stall cycles, the yield bit, the scoreboard set when its result is written
+    (``write``) and when its source registers have been read (``read``; None for none), and
+    the scoreboards it waits for (``wait``, indices 0-5)."""
+    c = high >> 41
+    write, read = (c >> 5) & 7, (c >> 8) & 7
+    return {"stall": c & 15, "yield": (c >> 4) & 1,
+            "write": None if write == _NO_SCOREBOARD else write,
+            "read": None if read == _NO_SCOREBOARD else read,
+            "wait": [b for b in range(6) if (c >> 11) >> b & 1]}
+
+
+def controls(sass):
+    """``{mangled name: {address: control(...)}}`` of a ``cuobjdump -sass`` listing (its
+    instructions with both encoding words)."""
+    out = {}
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = part.split("\n", 1)[0].strip()
+        out[name] = {int(a, 16): control(int(h, 16)) for a, _, h in _ENCODED.findall(part)}
+    return out
+
+
+def scoreboard_waits(instructions, loop, bits):
+    """The instructions of ``loop`` (a slice of a kernel's ``instructions``) that wait on a
+    scoreboard: ``[(address, text, [(scoreboard, setter address, setter text, 'write' or
+    'read')])]``, the setter the nearest instruction before that sets it, searched back through
+    the loop and its back edge, then before the loop (None where nothing does). ``bits``: the
+    kernel's :func:`controls`."""
+    start = instructions.index(loop[0])
+    before = instructions[:start]
+
+    def setter(i, b):
+        order = list(reversed(loop[:i])) + list(reversed(loop[i + 1:])) + list(reversed(before))
+        for address, text in order:
+            c = bits.get(address, {})
+            for kind in ("write", "read"):
+                if c.get(kind) == b:
+                    return address, text, kind
+        return None, None, None
+
+    out = []
+    for i, (address, text) in enumerate(loop):
+        waits = bits.get(address, {}).get("wait", [])
+        if waits:
+            out.append((address, text, [(b, *setter(i, b)) for b in waits]))
     return out
 
 
@@ -238,10 +300,12 @@ def patched_tree(patch, work):
     return work
 
 
-def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None, innermost=False):
+def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None, innermost=False,
+           scoreboards=False):
     """Prints every kernel's resources and size, and ``loop``'s counts; returns the common
     path's length (None without ``loop``). ``live``: :func:`live_registers` of the same code,
-    whose peaks are printed too; ``innermost``: the smallest such loop (:func:`largest_loop`)."""
+    whose peaks are printed too; ``innermost``: the smallest such loop (:func:`largest_loop`);
+    ``scoreboards``: the loop's scoreboard waits and their setters (:func:`scoreboard_waits`)."""
     kernels = functions(sass)
     live = live or {}
     used = resources(ptxas_log)
@@ -271,6 +335,16 @@ def report(sass, ptxas_log, loop=None, out=sys.stdout, live=None, innermost=Fals
         address, text, most = max(rows, key=lambda r: r[2])
         print(f"  live registers in the loop: at most {most}, first at 0x{address:x} ({text})",
               file=out)
+    if scoreboards:
+        bits = controls(sass).get(matches[0], {})
+        if not bits:
+            raise SystemExit("--scoreboards: the listing has no second encoding words "
+                             "(cuobjdump -sass prints them)")
+        print("  scoreboard waits in the loop (scoreboard: set by):", file=out)
+        for address, text, waits in scoreboard_waits(kernels[matches[0]], body, bits):
+            by = "; ".join(f"SB{b}: " + (f"0x{a:x} {t} ({kind})" if a is not None else "nothing")
+                           for b, a, t, kind in waits)
+            print(f"    0x{address:05x}  {text:48s}  {by}", file=out)
     return len(path)
 
 
@@ -286,6 +360,8 @@ def main(argv=None):
                         "largest (the wide kernel's step loop)")
     p.add_argument("--live", action="store_true",
                    help="also the live registers (nvdisasm --print-life-ranges; needs nvdisasm)")
+    p.add_argument("--scoreboards", action="store_true",
+                   help="with --loop: the loop's scoreboard waits and what set each")
     p.add_argument("--sass", help="a saved cuobjdump -sass listing instead of compiling")
     p.add_argument("--ptxas", help="with --sass: the ptxas -v log that goes with it")
     args = p.parse_args(argv)
@@ -293,14 +369,15 @@ def main(argv=None):
         with open(args.sass) as f:
             sass = f.read()
         ptxas_log = open(args.ptxas).read() if args.ptxas else ""
-        return report(sass, ptxas_log, args.loop, innermost=args.innermost)
+        return report(sass, ptxas_log, args.loop, innermost=args.innermost,
+                      scoreboards=args.scoreboards)
     if not args.source:
         p.error("a source file (or --sass) is needed")
     with tempfile.TemporaryDirectory() as work:
         tree = patched_tree(args.patch, work) if args.patch else ROOT
         sass, log, *life = compile_sass(tree, args.source, args.defines, live=args.live)
     return report(sass, log, args.loop, live=live_registers(life[0]) if life else None,
-                  innermost=args.innermost)
+                  innermost=args.innermost, scoreboards=args.scoreboards)
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@
 // one wgmma sums over every warp's positions), and P^T written before the multiply reads it.
 //
 // A step's raw page bytes (K and V codes and scales of kWideStep positions) are copied with
-// cp.async into a ring of kWideStages stages, one position a thread, kWideStages - 1 steps
-// ahead. Positions are ordered within each 16 so that a lane's V scales are one 4-byte word
+// cp.async into a ring of kWideStages stages, one position a thread pair (WideCopy),
+// kWideStages - 1 steps ahead. Positions are ordered within each 16 so that a lane's V scales are one 4-byte word
 // (wide_position). Numbers as in attention_device.cuh and chunk_attention.cuh (q to fp16 after a
 // power-of-two scale per row, K and V exact in fp16, float32 softmax and sums, P in fp16).
 #pragma once

@@ -188,3 +188,57 @@ def test_innermost_picks_the_smallest_tensor_loop():
     out = io.StringIO()
     assert sc.report(_listing("_Z4nestv", body), "", "nestv", out=out, innermost=True) == 3
     assert "loop 0x20-0x40: 3 static" in out.getvalue(), out.getvalue()
+
+
+def _encoded_listing(name, body):
+    """Like _listing, each instruction with its second encoding word (cuobjdump's next line):
+    body is [(text, high word)]."""
+    lines = ["", "\tcode for sm_90a", f"\t\tFunction : {name}",
+             "\t.headerflags\t@\"EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)\""]
+    for i, (text, high) in enumerate(body):
+        lines.append(f"        /*{16 * i:04x}*/                   {text} ;"
+                     f"                 /* 0x000fe20000000f00 */")
+        lines.append(f"                                                   /* 0x{high:016x} */")
+    return "\n".join(lines) + "\n"
+
+
+def _high(stall=1, write=7, read=7, wait=()):
+    """A second encoding word with these controls (bits 41 and up: stall 4, yield 1, write
+    scoreboard 3, read scoreboard 3, wait mask 6)."""
+    return (stall | write << 5 | read << 8 | sum(1 << b for b in wait) << 11) << 41
+
+
+def test_control_bits_of_real_instructions():
+    # From WideRowsKernel<true, kHND>'s disassembly (sm_90a, ragged v40): the block-table load
+    # sets scoreboard 5 on its result and 1 on its sources; the branch waits on 5.
+    ldg = sc.control(0x000368000C1E9900)
+    assert (ldg["stall"], ldg["yield"], ldg["write"], ldg["read"], ldg["wait"]) == (4, 1, 5, 1, [])
+    bra = sc.control(0x020FEC0003800000)
+    assert (bra["stall"], bra["write"], bra["read"], bra["wait"]) == (6, None, None, [5])
+
+
+def test_scoreboard_waits_find_their_setters_through_the_back_edge():
+    body = [("LDG.E R20, desc[UR4][R2.64]", _high(write=3)),           # before the loop
+            ("@!P0 BRA 0x60", _high(wait=[5])),                         # 0x10: the loop
+            ("HMMA.16816.F32 R8, R4, R12, R8", _high()),
+            ("IADD3 R21, R20, 0x1, RZ", _high(wait=[3])),               # the load before the loop
+            ("LDGSTS.E.BYPASS.128 [R5], desc[UR4][R6.64]", _high(read=1)),
+            ("IMAD.MOV.U32 R6, RZ, RZ, R7", _high(wait=[1, 2])),        # its sources; 2: nothing
+            ("LDG.E.CONSTANT R9, desc[UR4][R10.64]", _high(write=5)),   # 0x60
+            ("@!P1 BRA 0x10", _high()),
+            ("EXIT", _high())]
+    sass = _encoded_listing("_Z4loopv", body)
+    kernels, bits = sc.functions(sass), sc.controls(sass)
+    assert bits["_Z4loopv"][0x10]["wait"] == [5] and bits["_Z4loopv"][0x40]["read"] == 1
+    loop = sc.largest_loop(kernels["_Z4loopv"])
+    waits = sc.scoreboard_waits(kernels["_Z4loopv"], loop, bits["_Z4loopv"])
+    assert [(a, [(b, at, kind) for b, at, _, kind in w]) for a, _, w in waits] == [
+        (0x10, [(5, 0x60, "write")]),         # through the back edge
+        (0x30, [(3, 0x00, "write")]),         # before the loop
+        (0x50, [(1, 0x40, "read"), (2, None, None)])]
+    out = io.StringIO()
+    sc.report(sass, "", loop="loop", out=out, scoreboards=True)
+    assert "SB5: 0x60 LDG.E.CONSTANT R9" in out.getvalue() and "SB2: nothing" in out.getvalue()
+    with pytest.raises(SystemExit, match="second encoding words"):
+        sc.report(_listing("_Z4loopv", [t for t, _ in body]), "", loop="loop",
+                  out=io.StringIO(), scoreboards=True)
