@@ -22,10 +22,11 @@
 // one wgmma sums over every warp's positions), and P^T written before the multiply reads it.
 //
 // A step's raw page bytes (K and V codes and scales of kWideStep positions) are copied with
-// cp.async into a ring of kWideStages stages, one position a thread pair (WideCopy),
-// kWideStages - 1 steps ahead. Positions are ordered within each 16 so that a lane's V scales are one 4-byte word
-// (wide_position). Numbers as in attention_device.cuh and chunk_attention.cuh (q to fp16 after a
-// power-of-two scale per row, K and V exact in fp16, float32 softmax and sums, P in fp16).
+// cp.async into a ring of kWideStages stages, one position a thread pair (WideCopy): step i's
+// refill copies step i + kWideStages into the stage step i has just used. Positions are ordered
+// within each 16 so that a lane's V scales are one 4-byte word (wide_position). Numbers as in
+// attention_device.cuh and chunk_attention.cuh (q to fp16 after a power-of-two scale per row, K
+// and V exact in fp16, float32 softmax and sums, P in fp16).
 #pragma once
 
 #include <cmath>
@@ -108,7 +109,9 @@ __device__ __forceinline__ int wide_v_code_at(int p, int c) {
   return WideShape::kVCodeAt + p * WideShape::kCodeBytes + ((c ^ ((p >> 2) & 3)) << 4);
 }
 
-// Where one position of a step is: its page (0 at or past the end: never read) and the plane
+// Where one position of a step is: its page (0 where its group of 4 positions starts at or past
+// the end: then nothing of it is read; a position past the end in a group that starts before
+// it has its real page, whose swizzled V scale bytes are copied with the group's) and the plane
 // rows from the kv head's row to its page row.
 struct WideEntry {
   int32_t entry;
@@ -167,8 +170,9 @@ struct WideCopy {
   }
   __device__ __forceinline__ void fetch(uint32_t base) { next = lookup(base); }
   // The step's bytes (positions [base, base + kWideStep)) into the stage at byte `stage_at` of
-  // the ring, from where `at` says (`next` for the fetched step). (A position past `end` has
-  // entry 0 and a row inside the page: its sources are addresses inside the cache, never read.)
+  // the ring, from where `at` says (`next` for the fetched step). (A position past `end` is
+  // zero-filled, its codes never read; where its group of 4 starts past `end` too it has
+  // entry 0 and a row inside the page, so that every source is an address inside the cache.)
   __device__ __forceinline__ void copy(uint32_t stage_at, uint32_t base,
                                        const WideEntry& at) const {
     const uint32_t pos = base + p;
