@@ -120,12 +120,13 @@ struct WideEntry {
 
 // One thread's share of the ring's copies: position p = t / 2 of each step, and of its K and V
 // code rows the 16-byte pieces h and h + 2 (h = t % 2), and the scale bytes of side h (K, V),
-// zero-filled at or past `end`. (So a lane pair copies a 32-byte sector of a row whole in each
-// instruction: with a position a thread, a piece an instruction, each sector was requested
-// twice, in two instructions: ncu, ragged v40.) The block-table entry of the step to copy is
-// read ahead (fetch), so that its latency never holds up the copies. What does not change from
-// step to step (this thread's places in the cache at its kv head and in a stage) is worked out
-// once: a step's copies then cost the page's address and the five cp.async.
+// zero-filled at or past `end` (swizzled V scales by groups of 4: lookup). (So a lane pair
+// copies a 32-byte sector of a row whole in each instruction: with a position a thread, a piece
+// an instruction, each sector was requested twice, in two instructions: ncu, ragged v40.) The
+// block-table entry of the step to copy is read ahead (fetch), so that its latency never holds
+// up the copies. What does not change from step to step (this thread's places in the cache at
+// its kv head and in a stage) is worked out once: a step's copies then cost the page's address
+// and the five cp.async.
 template <bool kSwizzle, Layout kLayout>
 struct WideCopy {
   static_assert(kWideThreads == 2 * kWideStep, "a thread pair per position");
