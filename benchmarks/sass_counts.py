@@ -61,13 +61,17 @@ _TWO_PREDICATE_BRANCH = re.compile(r"^@!?P\w+\s+BRA\s+!?P\w+,\s+(0x[0-9a-f]+)")
 _FORWARD_BRANCH = re.compile(r"^@!?P\w+\s+BRA\s+(0x[0-9a-f]+)")
 
 
+def _kernel_listings(sass):
+    """``(mangled name, its part of the listing)`` for each function of a ``cuobjdump -sass``
+    listing."""
+    for part in re.split(r"\n\s*Function : ", sass)[1:]:
+        yield part.split("\n", 1)[0].strip(), part
+
+
 def functions(sass):
     """``{mangled name: [(address, instruction text)]}`` of a ``cuobjdump -sass`` listing."""
-    out = {}
-    for part in re.split(r"\n\s*Function : ", sass)[1:]:
-        name = part.split("\n", 1)[0].strip()
-        out[name] = [(int(a, 16), t.strip()) for a, t in _INSTRUCTION.findall(part)]
-    return out
+    return {name: [(int(a, 16), t.strip()) for a, t in _INSTRUCTION.findall(part)]
+            for name, part in _kernel_listings(sass)}
 
 
 _ENCODED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);\s*/\*\s*0x[0-9a-f]+\s*\*/\s*\n"
@@ -92,11 +96,8 @@ def control(high):
 def controls(sass):
     """``{mangled name: {address: control(...)}}`` of a ``cuobjdump -sass`` listing (its
     instructions with both encoding words)."""
-    out = {}
-    for part in re.split(r"\n\s*Function : ", sass)[1:]:
-        name = part.split("\n", 1)[0].strip()
-        out[name] = {int(a, 16): control(int(h, 16)) for a, _, h in _ENCODED.findall(part)}
-    return out
+    return {name: {int(a, 16): control(int(h, 16)) for a, _, h in _ENCODED.findall(part)}
+            for name, part in _kernel_listings(sass)}
 
 
 def scoreboard_waits(instructions, loop, bits):
