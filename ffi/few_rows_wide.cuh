@@ -310,7 +310,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   // 64 j + 16 w + wide_position(g) (+ 2) of the step.
   const int my_position = 16 * warp + wide_position(g);
   // This lane's places in a stage and in P^T, worked out once in the source (ptxas works
-  // most out again from threadIdx every step, for registers: ragged v41, not yet run):
+  // most out again from threadIdx every step, for registers; holding them spilled them to
+  // local memory and ran 4-10% slower: benchmarks/NOTES.md, ragged v41):
   // its K codes and scales (row g of m-block 0), its ldmatrix row of V (matrix lane / 8, row
   // lane % 8: k-step mtx / 2, positions of its 16 as wide_position(8 (mtx % 2) + row)), its V
   // scale word (positions 4 q .. 4 q + 3 of k-step 0), its stmatrix rows of P^T (hh = 0, 1).
