@@ -415,7 +415,7 @@ def test_a_crashed_sanitizer_part_resumes_where_it_died(tmp_path, fake_machine):
         r"deselected; errors=0 summaries=1 by_kernel=-; last run: (\d+) skipped, 29 deselected "
         r"in [\d.]+s; all runs: 1 passed, (\d+) skipped", line), line
     skipped, in_all = map(int, re.findall(r"(\d+) skipped", line))
-    assert skipped == 45 and in_all == skipped + 1, line  # (47 GPU tests, 2 deselected)
+    assert skipped == 46 and in_all == skipped + 1, line  # (48 GPU tests, 2 deselected)
     with tarfile.open(tmp_path / "logs" / "logs.tar.gz") as tar:
         assert sorted(n for n in tar.getnames() if n.endswith(".log")) == [
             "./memcheck-ragged.log", "./memcheck-ragged.retry1.log"]
