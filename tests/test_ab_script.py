@@ -63,6 +63,22 @@ def test_every_kept_variant_applies_to_the_tree(tmp_path, variant):
     assert named and all((tree / n).read_text() != (ROOT / n).read_text() for n in named)
 
 
+TEST_DIFFS = sorted((ROOT / "benchmarks" / "variants").glob("*_tests.diff"))
+
+
+@pytest.mark.parametrize("diff", TEST_DIFFS, ids=lambda p: p.name)
+def test_every_variants_tests_apply_to_the_tree(diff):
+    """A variant's tests (NAME_tests.diff beside NAME.patch: ab.sh builds only the package, so
+    a variant's tests are applied to the checkout that runs them) still apply to tests/, and
+    touch nothing else."""
+    assert (diff.parent / diff.name.replace("_tests.diff", ".patch")).exists()
+    named = [line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")]
+    assert named and all(n.startswith("tests/") for n in named), named
+    done = subprocess.run(["git", "apply", "--check", str(diff)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 def test_a_patch_that_does_not_apply_exits_2(tmp_path):
     # A patch whose one hunk removes a line the tree does not have (a context line would not
     # do: patch(1), ab.sh's fallback without git, may ignore a hunk's first and last context
