@@ -750,8 +750,8 @@ def test_gpu_wide_kernel_writes_every_q_type(seqs, dtype):
 def test_gpu_wide_kernel_negative_sm_scale():
     """The wide kernel under a negative sm_scale (a traced value: any sign; a negative k_scale
     is an invalid global scale, NaN rows on every path): the jnp path's attention over the
-    negated scores, unbound and under max_q_len (the wide kernel alone, split-KV); contexts of
-    several steps, one ending mid-step and one shorter than the later splits."""
+    negated scores, unbound and under max_q_len (the wide kernel alone); contexts of several
+    steps and one ending mid-step."""
     if rp.few_rows_max(128) < 32:
         pytest.skip("this GPU or build has no wide path (sm_90a code)")
     case = shared_case(34, ((1100, 8), (900, 8), (300, 1), (45, 8)), head_size=128,
