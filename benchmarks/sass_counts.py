@@ -74,8 +74,10 @@ def functions(sass):
             for name, part in _kernel_listings(sass)}
 
 
-_ENCODED = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);\s*/\*\s*0x[0-9a-f]+\s*\*/\s*\n"
-                      r"\s*/\*\s*(0x[0-9a-f]+)\s*\*/")
+#: An instruction (as _INSTRUCTION) with its first encoding word and, on the next line, its
+#: second, which holds the scheduling controls.
+_ENCODED = re.compile(_INSTRUCTION.pattern +
+                      r"\s*/\*\s*0x[0-9a-f]+\s*\*/\s*\n\s*/\*\s*(0x[0-9a-f]+)\s*\*/")
 #: A scoreboard index of 7 in a control field means none.
 _NO_SCOREBOARD = 7
 
