@@ -310,59 +310,34 @@ __device__ __forceinline__ float divided(float a, float b) { return a / b; }
 __device__ __forceinline__ float4 divided(float4 a, float b) {
   return make_float4(a.x / b, a.y / b, a.z / b, a.w / b);
 }
-// The arithmetic of that merge for kItems rows side by side (the counter merges load a split's
-// values for several rows at once, one L2 round trip for all of them): see(k, lse) for every
-// split of item k, then add(k, lse, partial) for every split in the same order, then
-// result(k, &lse2). One source of the operations and their order, so that every merge of the
-// same splits writes the same bytes.
-template <int kItems, typename Value>
-struct SplitMerge {
-  float top[kItems], sum[kItems];
-  bool nan[kItems];
-  Value acc[kItems];
-  __device__ __forceinline__ SplitMerge() {
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) top[k] = -INFINITY, sum[k] = 0.f, nan[k] = false;
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) fill_value(acc[k], 0.f);
-  }
-  __device__ __forceinline__ void see(int k, float x) {
-    top[k] = fmaxf(top[k], x);  // fmaxf passes NaN over: counted apart
-    nan[k] |= isnan(x);
-  }
-  // Whether add needs split s's partial for item k (an empty split's was not written).
-  __device__ __forceinline__ static bool wanted(float x) { return x != -INFINITY; }
-  __device__ __forceinline__ void add(int k, float x, const Value& partial) {
-    if (!wanted(x)) return;
-    const float weight = exp2_approx(x - top[k]);
-    sum[k] += weight;
-    add_weighted(acc[k], weight, partial);
-  }
-  __device__ __forceinline__ Value result(int k, float* lse2) const {
-    Value value;
-    if (nan[k] || top[k] == -INFINITY) {
-      *lse2 = nan[k] ? NAN : -INFINITY;
-      fill_value(value, nan[k] ? NAN : 0.f);
-      return value;
-    }
-    *lse2 = top[k] + __log2f(sum[k]);
-    return divided(acc[k], sum[k]);
-  }
-};
-
 template <typename Lse, typename Partial>
 __device__ __forceinline__ auto merge_splits(int count, Lse&& lse, Partial&& partial,
                                              float* lse2) {
   using Value = std::decay_t<decltype(partial(0))>;
-  SplitMerge<1, Value> m;
-  for (int s = 0; s < count; ++s) m.see(0, lse(s));
-  if (!m.nan[0] && m.top[0] != -INFINITY) {
-    for (int s = 0; s < count; ++s) {
-      const float x = lse(s);
-      if (m.wanted(x)) m.add(0, x, partial(s));
-    }
+  float top = -INFINITY;
+  bool nan = false;
+  for (int s = 0; s < count; ++s) {
+    const float x = lse(s);
+    top = fmaxf(top, x);  // fmaxf passes NaN over: counted apart
+    nan |= isnan(x);
   }
-  return m.result(0, lse2);
+  Value acc;
+  if (nan || top == -INFINITY) {
+    *lse2 = nan ? NAN : -INFINITY;
+    fill_value(acc, nan ? NAN : 0.f);
+    return acc;
+  }
+  float sum = 0.f;
+  fill_value(acc, 0.f);
+  for (int s = 0; s < count; ++s) {
+    const float x = lse(s);
+    if (x == -INFINITY) continue;  // an empty split: its partial output was not written
+    const float weight = exp2_approx(x - top);
+    sum += weight;
+    add_weighted(acc, weight, partial(s));
+  }
+  *lse2 = top + __log2f(sum);
+  return divided(acc, sum);
 }
 
 // merge_splits over the split-KV workspace of one row: lse [count], partial [count][stride],
