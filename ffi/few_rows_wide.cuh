@@ -270,13 +270,15 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   __syncthreads();
 
   // This lane's columns c = 8 t + 2 q + h (index 2 t + h): scales, ends; the softmax state.
-  float scale[8], m[8], l[8];
+  // nm: minus the column reference m, the FFMA's addend, held negated (ptxas otherwise works
+  // -m out again every step: 8 FADD; ragged v45 review).
+  float scale[8], nm[8], l[8];
 #pragma unroll
   for (int t = 0; t < 4; ++t)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       scale[2 * t + h] = col_scale[8 * t + 2 * qd + h];
-      m[2 * t + h] = kWideUnseen;
+      nm[2 * t + h] = -kWideUnseen;
       l[2 * t + h] = 0.f;
     }
   const uint32_t mask_from = seq.row_end(0);  // every later row sees more
@@ -288,11 +290,13 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   const uint64_t q_desc = swizzled_desc(q_t, 16, 1024);
   const uint64_t p_desc = swizzled_desc(p_t, 16, 1024);
   const int v_block = 2 * warp + (g >> 2);  // the V scale block of this lane's 4 dims
-  uint32_t vf[2][W::kKSteps][4];            // V^T A fragments of the step in flight
+  uint32_t vf[2][W::kKSteps][4];            // V^T A fragments of the step
 
-  // O^T += V^T P^T of the step before (its P^T written and visible: the barrier ending it).
-  // Issued and waited for in the same step as the next S^T (ptxas serialises every wgmma when a
-  // product is still in flight across the loop's back edge).
+  // O^T += V^T P^T of the step (its P^T written and visible, its V^T converted: the barrier
+  // before it), issued and waited for at the step's end (ptxas serialises every wgmma when a
+  // product is still in flight across the loop's back edge). (It was issued with the next
+  // step's S^T, V^T's fragments converted before the softmax: then they were live through it,
+  // the step's register peak, 153 live against 141 now; ragged v45.)
   const auto issue_values = [&] {
 #pragma unroll
     for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
@@ -332,7 +336,6 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     constexpr bool kMasked = decltype(masked_tag)::value;
     const uint8_t* const stage = ring + stage_at;
     const uint32_t base = step_base(i);
-    if (i > 0) issue_values();
 
     // S^T = K Q^T.
     float s[W::kMBlocks][16];
@@ -367,64 +370,18 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
                     desc_plus(q_desc, (k >> 2) * W::kBBlockBytes + (k & 3) * 32));
     wgmma_commit();
     // Where this thread's position of step i + kWideStages is (the refill below copies it): loaded
-    // here, after the step's last wgmma fence before the refill, because ptxas makes a wgmma
-    // fence wait for every load in flight (fetched in the step before's refill, the entry held
-    // up the next step's first fence by a round trip: ncu, ragged v40).
+    // here, right after S^T's wgmma fence, because ptxas makes a wgmma fence wait for every load
+    // in flight (fetched in the step before's refill, the entry held up the next step's first
+    // fence by a round trip: ncu, ragged v40). O^T's fence at the step's end comes after it,
+    // ~300 instructions and two barriers later (in the SASS it does not wait for this load).
     if (i + kWideStages < num_steps) copier.fetch(step_base(i + kWideStages));
 
-    // V^T's A fragments (the step before's product, which reads them, done first): k16 step
-    // k's 16 positions through ldmatrix.trans, this warp's dims 32 w .. 32 w + 31 (lane g: 4).
-    wgmma_wait<1>();
-    wgmma_keep_a_operands(vf[0]);
-    wgmma_keep_a_operands(vf[1]);
-#pragma unroll
-    for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
-      uint32_t x[4];  // k-steps 2 k2 (lo, hi), 2 k2 + 1 (lo, hi)
-      // (k-step 2 k2 + mtx / 2: 32 positions on per k2, the swizzle unchanged)
-      ldmatrix_x4_trans(x, stage + v_row_at + 32 * k2 * W::kCodeBytes);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int k = 2 * k2 + e;
-        const int pp = 16 * k + 4 * qd;  // this lane's positions pp .. pp + 3
-        uint32_t bytes;
-        if constexpr (kSwizzle) {
-          bytes = *reinterpret_cast<const uint32_t*>(stage + v_scale_at + 16 * k * W::kScaleBytes);
-          if constexpr (kMasked) {  // the group's bytes past `end` (copied whole) are not ours
-            const int valid = min(max(int(end - base) - pp, 0), 4);
-            bytes &= valid == 4 ? 0xFFFFFFFFu : (1u << (8 * valid)) - 1u;
-          }
-        } else {
-          const uint8_t* at = stage + W::kVScaleAt + pp * W::kScaleBytes + v_block;
-          bytes = uint32_t(at[0]) | (uint32_t(at[W::kScaleBytes]) << 8) |
-                  (uint32_t(at[2 * W::kScaleBytes]) << 16) |
-                  (uint32_t(at[3 * W::kScaleBytes]) << 24);
-        }
-        const uint32_t scale_lo = e4m3x2_to_f16x2_x128(bytes);
-        const uint32_t scale_hi = e4m3x2_to_f16x2_x128(bytes >> 16);
-        uint32_t lo[4], hi[4];
-        e2m1x8_to_f16x2(x[2 * e], lo);
-        e2m1x8_to_f16x2(x[2 * e + 1], hi);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) lo[r] = hmul2(lo[r], scale_lo), hi[r] = hmul2(hi[r], scale_hi);
-        // registers 0..3 of a converted word: dims +0, +2, +1, +3 of the lane's 4
-        vf[0][k][0] = lo[0], vf[0][k][1] = lo[2], vf[0][k][2] = hi[0], vf[0][k][3] = hi[2];
-        vf[1][k][0] = lo[1], vf[1][k][1] = lo[3], vf[1][k][2] = hi[1], vf[1][k][3] = hi[3];
-      }
-    }
-    // (V's fragments pinned before the wait. This does not make ptxas convert them while S^T is
-    // in flight: empty asm statements order nothing in its schedule, and it puts the conversion
-    // after the wait, with the softmax's max, at 168 registers as at 182 (two CTAs a SM), so
-    // not for want of registers; benchmarks/NOTES.md, ragged v38.)
-    wgmma_keep_a_operands(vf[0]);
-    wgmma_keep_a_operands(vf[1]);
     wgmma_wait<0>();
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j) {
       wgmma_fence_operands(s[j]);
       wgmma_keep_a_operands(kf[j]);
     }
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
 
     // The online softmax, scores in log2 units. The warps share each column's reference m (one
     // wgmma sums P over all of their positions), which changes only when a score of any warp
@@ -438,9 +395,9 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
       for (int c = 0; c < 8; ++c) limit[c] = col_limit[8 * (c >> 1) + 2 * qd + (c & 1)];
     }
-    const auto x_of = [&](int j, int r, const float (&ref)[8]) {
+    const auto x_of = [&](int j, int r, const float (&neg_ref)[8]) {
       const int c = 2 * (r >> 2) + (r & 1), hh = (r >> 1) & 1;
-      float x = fmaf(s[j][r], scale[c], -ref[c]);
+      float x = fmaf(s[j][r], scale[c], neg_ref[c]);
       if constexpr (kMasked) {
         if (base + uint32_t(64 * j + my_position + 2 * hh) >= limit[c]) x = -INFINITY;
       }
@@ -450,12 +407,12 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
     for (int j = 0; j < W::kMBlocks; ++j)
 #pragma unroll
-      for (int r = 0; r < 16; ++r) over = fmaxf(over, x_of(j, r, m));
+      for (int r = 0; r < 16; ++r) over = fmaxf(over, x_of(j, r, nm));
     // A new reference (the rare path, after a vote that some score passed): the columns' max
     // over the warps through shared memory; O and the sums rescaled to it.
     const auto new_reference = [&] {
       float top[8];
-      const float zero[8] = {};
+      const float neg_zero[8] = {-0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f, -0.f};
 #pragma unroll
       for (int c = 0; c < 8; ++c) top[c] = -INFINITY;
 #pragma unroll
@@ -463,7 +420,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
         for (int r = 0; r < 16; ++r) {
           const int c = 2 * (r >> 2) + (r & 1);
-          top[c] = fmaxf(top[c], x_of(j, r, zero));
+          top[c] = fmaxf(top[c], x_of(j, r, neg_zero));
         }
 #pragma unroll
       for (int c = 0; c < 8; ++c)
@@ -479,12 +436,12 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll
       for (int c = 0; c < 8; ++c) {
         const int col = 8 * (c >> 1) + 2 * qd + (c & 1);
-        float most = m[c];
+        float most = -nm[c];
 #pragma unroll
         for (int w = 0; w < 4; ++w) most = fmaxf(most, exchange[w * kFewRowsWide + col]);
         // (nothing seen before: alpha 0, or 1 where nothing is seen yet; the state is zeros)
-        const float alpha = exp2_approx(m[c] - most);
-        m[c] = most;
+        const float alpha = exp2_approx(-nm[c] - most);
+        nm[c] = -most;
         l[c] *= alpha;
 #pragma unroll
         for (int j = 0; j < 2; ++j)
@@ -503,8 +460,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
           uint32_t packed[4];
 #pragma unroll
           for (int t = 0; t < 4; ++t) {
-            const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, m));
-            const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, m));
+            const float p0 = exp2_approx(x_of(j, 4 * t + 2 * hh, nm));
+            const float p1 = exp2_approx(x_of(j, 4 * t + 2 * hh + 1, nm));
             l[2 * t] += p0;
             l[2 * t + 1] += p1;
             packed[t] = pack_f16x2(p0, p1);
@@ -520,12 +477,61 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
         copier.copy(stage_at, step_base(i + kWideStages), copier.next);
       copy_async_commit();
     };
-    // Every warp is done reading this stage, and the vote.
+    // V^T's A fragments of this step (its stage not yet refilled; after the softmax, so that
+    // they are not live through it): k16 step k's 16 positions through ldmatrix.trans, this
+    // warp's dims 32 w .. 32 w + 31 (lane g: 4).
+    const auto convert_values = [&] {
+#pragma unroll
+      for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
+        uint32_t x[4];  // k-steps 2 k2 (lo, hi), 2 k2 + 1 (lo, hi)
+        // (k-step 2 k2 + mtx / 2: 32 positions on per k2, the swizzle unchanged)
+        ldmatrix_x4_trans(x, stage + v_row_at + 32 * k2 * W::kCodeBytes);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int k = 2 * k2 + e;
+          const int pp = 16 * k + 4 * qd;  // this lane's positions pp .. pp + 3
+          uint32_t bytes;
+          if constexpr (kSwizzle) {
+            bytes = *reinterpret_cast<const uint32_t*>(stage + v_scale_at + 16 * k * W::kScaleBytes);
+            if constexpr (kMasked) {  // the group's bytes past `end` (copied whole) are not ours
+              const int valid = min(max(int(end - base) - pp, 0), 4);
+              bytes &= valid == 4 ? 0xFFFFFFFFu : (1u << (8 * valid)) - 1u;
+            }
+          } else {
+            const uint8_t* at = stage + W::kVScaleAt + pp * W::kScaleBytes + v_block;
+            bytes = uint32_t(at[0]) | (uint32_t(at[W::kScaleBytes]) << 8) |
+                    (uint32_t(at[2 * W::kScaleBytes]) << 16) |
+                    (uint32_t(at[3 * W::kScaleBytes]) << 24);
+          }
+          const uint32_t scale_lo = e4m3x2_to_f16x2_x128(bytes);
+          const uint32_t scale_hi = e4m3x2_to_f16x2_x128(bytes >> 16);
+          uint32_t lo[4], hi[4];
+          e2m1x8_to_f16x2(x[2 * e], lo);
+          e2m1x8_to_f16x2(x[2 * e + 1], hi);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) lo[r] = hmul2(lo[r], scale_lo), hi[r] = hmul2(hi[r], scale_hi);
+          // registers 0..3 of a converted word: dims +0, +2, +1, +3 of the lane's 4
+          vf[0][k][0] = lo[0], vf[0][k][1] = lo[2], vf[0][k][2] = hi[0], vf[0][k][3] = hi[2];
+          vf[1][k][0] = lo[1], vf[1][k][1] = lo[3], vf[1][k][2] = hi[1], vf[1][k][3] = hi[3];
+        }
+      }
+    };
+    // The vote (every warp's S^T done), P^T and V^T's fragments; then, once every warp has
+    // written its P^T and read this stage, O^T += V^T P^T, issued and waited for in this step
+    // (ptxas serialises every wgmma when a product is in flight across the loop's back edge),
+    // the refill in its shadow.
     if (__syncthreads_or(over > kWideSlack)) new_reference();
-    refill();
     write_p();
-    copy_async_wait<kWideStages - 1>();  // this thread's copies of step i + 1
-    __syncthreads();                     // P^T written, step i + 1 landed
+    convert_values();
+    copy_async_wait<kWideStages - 2>();  // this thread's copies of step i + 1
+    __syncthreads();                     // P^T written, this stage read, step i + 1 landed
+    issue_values();
+    refill();
+    wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
+    wgmma_keep_a_operands(vf[0]);
+    wgmma_keep_a_operands(vf[1]);
   };
   // The steps before the first row's end, then the others.
   const int unmasked = min(int((mask_from - begin) / kWideStep), num_steps);
@@ -540,12 +546,6 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
 #pragma unroll 1
   for (int i = unmasked; i < num_steps; ++i, stage_at = next_stage(stage_at))
     step(i, stage_at, std::true_type{});
-  issue_values();  // the last step's
-  wgmma_wait<0>();
-#pragma unroll
-  for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
-  wgmma_keep_a_operands(vf[0]);
-  wgmma_keep_a_operands(vf[1]);
   copy_async_wait<0>();
 
   // Each column's sum over its positions: the lanes of a column (g), then the warps.
@@ -580,8 +580,8 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // A row saw nothing in this split where its reference is still kWideUnseen and its sum is
     // 0; a row whose every score was NaN (a NaN in q) also keeps kWideUnseen, but its sum is
     // NaN: a NaN row (value and lse), as on every other path.
-    const bool empty = m[c] == kWideUnseen && !isnan(sum);
-    if (d0 == 0) write_row_lse(p, row, split, empty ? -INFINITY : m[c] + __log2f(sum));
+    const bool empty = -nm[c] == kWideUnseen && !isnan(sum);
+    if (d0 == 0) write_row_lse(p, row, split, empty ? -INFINITY : -nm[c] + __log2f(sum));
     if (empty && !one_split) continue;  // an empty partial: the merge skips it by its lse
     const float factor = out_scale / sum;
     float v[4];
