@@ -1,7 +1,7 @@
 // The few-row kernel's path for 17 to 32 query rows per kv head at head size 128 (speculative
 // decoding's 32 x 8: 8 draft tokens x GQA 4), on wgmma (sm_90a), one warpgroup (the CTA's 4
 // warps) per (sequence, kv head, split), launched as a kernel of its own (WideRowsKernel,
-// ragged_few_rows.cu: 168 registers, 3 CTAs a SM). Where it serves a call alone (a bound past
+// ragged_few_rows.cu: 166 registers, 3 CTAs a SM). Where it serves a call alone (a bound past
 // 16 rows) it takes the sequences of 1 to 16 rows too: columns past a sequence's rows are
 // padding.
 //
