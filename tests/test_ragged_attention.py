@@ -696,6 +696,58 @@ def test_gpu_more_sequences_groups_and_pages(seed, seqs, kv, ratio, bs):
     assert_kernel_matches_jnp(case, case.query(kv * ratio, jnp.bfloat16, seed=seed), "ragged")
 
 
+#: More (pair of tiles, kv head) units of the pipelined prefill kernel than an H100 or H200 has
+#: SMs twice over (8 kv heads, GQA 4: 320 units on 132 SMs): 24 sequences of 20 to 60 query
+#: tokens over short contexts, beside a one-token, a few-row and an empty sequence.
+MANY_UNITS = tuple((q + (37 * i) % 150, q) for i, q in enumerate(
+    20 + (13 * i) % 41 for i in range(24))) + ((40, 1), (90, 5), (12, 0))
+
+
+def _pipelined_units(seqs, group, num_kv_heads):
+    """The pipelined kernel's units of a batch: a pair of 64-row tiles a kv head, for each
+    sequence of more than 32 rows a kv head (ragged_tiles.cuh's kPipelinedMinRows)."""
+    return num_kv_heads * sum((-(-q * group // 64) + 1) // 2 for _, q in seqs if q * group > 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_q_len", [None, 40])
+def test_gpu_pipelined_units_past_the_sm_count(max_q_len):
+    """A CTA of the pipelined kernel takes several units one after another where a batch has
+    more than the GPU has SMs (a persistent grid, ragged v46; one CTA a unit before it): every
+    row matches the jnp path, and under a bound the longer sequences' rows are NaN, between
+    units that attend. Stacked, a member with an invalid k_scale gives the jnp path's NaN rows
+    in every unit of its own and leaves the other member's equal to its own call."""
+    assert _pipelined_units(MANY_UNITS, 4, 8) >= 2 * 132
+    case = shared_case(61, MANY_UNITS, head_size=128, num_kv_heads=8)
+    q = case.query(32, jnp.bfloat16, seed=61)
+    bound = {} if max_q_len is None else {"max_q_len": max_q_len}
+    ref, ref_lse = _cpu(case.run, q, return_lse=True, **bound)
+    gpu = jax.devices("gpu")[0]
+    args = jax.device_put(case.args(q), gpu)
+    out, lse = jax.device_get(ragged_jit(*args, **case.options, return_lse=True,
+                                         impl="kernel", **bound))
+    over = case.rows_over(max_q_len) if max_q_len else np.zeros(case.num_tokens, bool)
+    if max_q_len:
+        assert over.any() and np.isnan(out[over]).all() and np.isnan(lse[over]).all()
+    assert_out_close(out[~over], ref[~over], q.dtype, roundings=2, label="ragged_units")
+    assert_lse_close(lse[~over], ref_lse[~over], KERNEL_LSE_ABS, label="ragged_units",
+                     dtype=q.dtype)
+    np.testing.assert_array_equal(out[case.token_ends() == 0], 0)
+
+    def member(q, cache, k_scale):
+        return nv.ragged_paged_attention(q, cache, *args[2:6], k_scale, args[7],
+                                         **case.options, **bound)
+
+    k_scales = jnp.stack([jnp.float32(case.k_scale), jnp.float32(jnp.nan)])
+    both = jax.device_get(jax.jit(jax.vmap(member))(
+        jnp.stack([args[0], args[0]]), jnp.stack([args[1], args[1]]), k_scales))
+    np.testing.assert_array_equal(both[0], out)
+    invalid = _cpu(ragged_jit, *case.args(q)[:6], jnp.float32(jnp.nan), case.v_scale,
+                   **case.options, **bound)
+    assert np.isnan(both[1][case.token_ends() > 0]).all()
+    np.testing.assert_array_equal(both[1], jax.device_get(invalid))  # (NaN equal to NaN)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("head_size,layout,bs", [(128, "HND", 16), (64, "NHD", 12)])
