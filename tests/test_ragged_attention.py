@@ -705,7 +705,8 @@ MANY_UNITS = tuple((q + (37 * i) % 150, q) for i, q in enumerate(
 
 def _pipelined_units(seqs, group, num_kv_heads):
     """The pipelined kernel's units of a batch: a pair of 64-row tiles a kv head, for each
-    sequence of more than 32 rows a kv head (ragged_tiles.cuh's kPipelinedMinRows)."""
+    sequence of more than 32 rows a kv head (the few-row kernel takes up to 32 where the
+    pipelined kernel runs: sm_90a code, ``FEW_ROWS_WIDE``)."""
     return num_kv_heads * sum((-(-q * group // 64) + 1) // 2 for _, q in seqs if q * group > 32)
 
 
