@@ -290,26 +290,6 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
   const uint64_t q_desc = swizzled_desc(q_t, 16, 1024);
   const uint64_t p_desc = swizzled_desc(p_t, 16, 1024);
   const int v_block = 2 * warp + (g >> 2);  // the V scale block of this lane's 4 dims
-  uint32_t vf[2][W::kKSteps][4];            // V^T A fragments of the step
-
-  // O^T += V^T P^T of the step (its P^T written and visible, its V^T converted: the barrier
-  // before it), issued and waited for at the step's end (ptxas serialises every wgmma when a
-  // product is still in flight across the loop's back edge). (It was issued with the next
-  // step's S^T, V^T's fragments converted before the softmax: then they were live through it,
-  // the step's register peak, 153 live against 141 now; ragged v45.)
-  const auto issue_values = [&] {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int k = 0; k < W::kKSteps; ++k)
-        wgmma_64x32(o[j], vf[j][k],
-                    desc_plus(p_desc, (k >> 2) * W::kBBlockBytes +
-                                          (k & 3) * 32));
-    wgmma_commit();
-  };
   // This lane's rows of S^T in m-block j (hh = 0: row g, 1: row g + 8) are the positions
   // 64 j + 16 w + wide_position(g) (+ 2) of the step.
   const int my_position = 16 * warp + wide_position(g);
@@ -480,6 +460,24 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // V^T's A fragments of this step (its stage not yet refilled; after the softmax, so that
     // they are not live through it): k16 step k's 16 positions through ldmatrix.trans, this
     // warp's dims 32 w .. 32 w + 31 (lane g: 4).
+    uint32_t vf[2][W::kKSteps][4];  // V^T A fragments of the step
+    // O^T += V^T P^T of the step (its P^T written and visible, its V^T converted: the barrier
+    // before it), issued and waited for at the step's end (ptxas serialises every wgmma when a
+    // product is still in flight across the loop's back edge). (It was issued with the next
+    // step's S^T, V^T's fragments converted before the softmax: then they were live through
+    // it, the step's register peak, 153 live against 141 now; ragged v45.)
+    const auto issue_values = [&] {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wgmma_fence_operands(o[j]);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int k = 0; k < W::kKSteps; ++k)
+          wgmma_64x32(o[j], vf[j][k],
+                      desc_plus(p_desc, (k >> 2) * W::kBBlockBytes + (k & 3) * 32));
+      wgmma_commit();
+    };
     const auto convert_values = [&] {
 #pragma unroll
       for (int k2 = 0; k2 < W::kKSteps / 2; ++k2) {
