@@ -4,8 +4,8 @@ code path once and small (head sizes 64/128/256, both layouts, both V-scale orde
 zero fill of unowned tokens, a sequence with more queries than cached tokens, one-token
 sequences on the decode kernel, the few-row kernel alone under max_q_len with its fill and a
 sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel or the few-row
-kernel's wgmma path, more pipelined units than SMs), each checked against the jnp path run on the CPU (with the same bound:
-the same NaN rows). On a GPU machine, from the repository root (TESTING.md has the environment
+kernel's wgmma path, more pipelined units than SMs), each checked against the jnp path run on
+the CPU (with the same bound: the same NaN rows). On a GPU machine, from the repository root (TESTING.md has the environment
 the sanitizers need):
 
     compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
@@ -54,7 +54,8 @@ cases = [
     # more pipelined units than a GPU has SMs twice over (8 kv heads, GQA 4: 320 units), so that
     # a persistent CTA takes several (ragged v46), a bound making some of them NaN rows between
     # units that attend, beside one-token, few-row and empty sequences
-    (15, tuple((q + (37 * i) % 150, q) for i, q in enumerate(20 + (13 * i) % 41 for i in range(24)))
+    (15, tuple((q + (37 * i) % 150, q)
+               for i, q in enumerate(20 + (13 * i) % 41 for i in range(24)))
      + ((40, 1), (90, 5), (12, 0)), 128, "HND", True, 16, 8, 32, 40),
 ]
 worst = 0.0
