@@ -5,8 +5,8 @@ zero fill of unowned tokens, a sequence with more queries than cached tokens, on
 sequences on the decode kernel, the few-row kernel alone under max_q_len with its fill and a
 sequence over the bound, sequences of 17 to 32 rows on the pipelined kernel or the few-row
 kernel's wgmma path, more pipelined units than SMs), each checked against the jnp path run on
-the CPU (with the same bound: the same NaN rows). On a GPU machine, from the repository root (TESTING.md has the environment
-the sanitizers need):
+the CPU (with the same bound: the same NaN rows). On a GPU machine, from the repository root
+(TESTING.md has the environment the sanitizers need):
 
     compute-sanitizer --tool memcheck --kernel-name kns=nvfp4 python3 -P tests/ragged_sanitizer_cases.py
 """
