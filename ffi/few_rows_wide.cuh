@@ -578,7 +578,7 @@ __device__ __forceinline__ void attend_wide_rows(const RaggedProblem& p, const R
     // A row saw nothing in this split where its reference is still kWideUnseen and its sum is
     // 0; a row whose every score was NaN (a NaN in q) also keeps kWideUnseen, but its sum is
     // NaN: a NaN row (value and lse), as on every other path.
-    const bool empty = -nm[c] == kWideUnseen && !isnan(sum);
+    const bool empty = nm[c] == -kWideUnseen && !isnan(sum);
     if (d0 == 0) write_row_lse(p, row, split, empty ? -INFINITY : -nm[c] + __log2f(sum));
     if (empty && !one_split) continue;  // an empty partial: the merge skips it by its lse
     const float factor = out_scale / sum;

@@ -26,6 +26,13 @@ from attention_cases import Case
 OPTIONS = ("layout", "v_scale_swizzle", "sm_scale", "return_lse", "impl", "max_q_len")
 ragged_jit = jax.jit(jax_nvfp4.ragged_paged_attention, static_argnames=OPTIONS)
 
+#: A batch with more (pair of 64-row tiles, kv head) units of the pipelined prefill kernel than
+#: an H100 or H200 has SMs twice over at 8 kv heads and GQA 4 (320 units on 132 SMs): 24
+#: sequences of 20 to 60 query tokens over short contexts, beside a one-token, a few-row and an
+#: empty sequence (test_ragged_attention.py and ragged_sanitizer_cases.py).
+MANY_UNITS = tuple((q + (37 * i) % 150, q) for i, q in enumerate(
+    20 + (13 * i) % 41 for i in range(24))) + ((40, 1), (90, 5), (12, 0))
+
 
 class RaggedCase:
     def __init__(self, seed, seqs, *, num_kv_heads=2, head_size=128, layout="HND",

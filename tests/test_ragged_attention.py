@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import hlo_checks as hc
 from attention_cases import Case, paged_attention_jit
 from meshes import make_mesh
-from ragged_cases import ragged_jit, shared_case
+from ragged_cases import MANY_UNITS, ragged_jit, shared_case
 from test_decode_kernel import (FP16_UNIT, KERNEL_LSE_ABS, UNIT_ROUNDOFF, _f64,
                                 assert_lse_close, assert_out_close)
 
@@ -696,18 +696,13 @@ def test_gpu_more_sequences_groups_and_pages(seed, seqs, kv, ratio, bs):
     assert_kernel_matches_jnp(case, case.query(kv * ratio, jnp.bfloat16, seed=seed), "ragged")
 
 
-#: More (pair of tiles, kv head) units of the pipelined prefill kernel than an H100 or H200 has
-#: SMs twice over (8 kv heads, GQA 4: 320 units on 132 SMs): 24 sequences of 20 to 60 query
-#: tokens over short contexts, beside a one-token, a few-row and an empty sequence.
-MANY_UNITS = tuple((q + (37 * i) % 150, q) for i, q in enumerate(
-    20 + (13 * i) % 41 for i in range(24))) + ((40, 1), (90, 5), (12, 0))
-
-
 def _pipelined_units(seqs, group, num_kv_heads):
-    """The pipelined kernel's units of a batch: a pair of 64-row tiles a kv head, for each
-    sequence of more than 32 rows a kv head (the few-row kernel takes up to 32 where the
-    pipelined kernel runs: sm_90a code, ``FEW_ROWS_WIDE``)."""
-    return num_kv_heads * sum((-(-q * group // 64) + 1) // 2 for _, q in seqs if q * group > 32)
+    """The pipelined kernel's units of a batch: a pair of query tiles a kv head, for each
+    sequence of more rows a kv head than the few-row kernel takes where the pipelined kernel
+    runs (sm_90a code: ``FEW_ROWS_WIDE``)."""
+    tiles = lambda rows: -(-rows // rp.ROWS_PER_CTA)  # noqa: E731
+    return num_kv_heads * sum((tiles(q * group) + 1) // 2 for _, q in seqs
+                              if q * group > rp.FEW_ROWS_WIDE)
 
 
 @pytest.mark.gpu
@@ -718,7 +713,8 @@ def test_gpu_pipelined_units_past_the_sm_count(max_q_len):
     row matches the jnp path, and under a bound the longer sequences' rows are NaN, between
     units that attend. Stacked, a member with an invalid k_scale gives the jnp path's NaN rows
     in every unit of its own and leaves the other member's equal to its own call."""
-    assert _pipelined_units(MANY_UNITS, 4, 8) >= 2 * 132
+    from jax_nvfp4 import attention_primitive as ap
+    assert _pipelined_units(MANY_UNITS, 4, 8) >= 2 * ap._sm_count()
     case = shared_case(61, MANY_UNITS, head_size=128, num_kv_heads=8)
     q = case.query(32, jnp.bfloat16, seed=61)
     bound = {} if max_q_len is None else {"max_q_len": max_q_len}
