@@ -52,8 +52,9 @@ cases = [
     # the same with one split (short contexts): its fill and NaN rows straight into the output
     (14, ((40, 8), (9, 2), (30, 9), (5, 1), (70, 5)), 128, "HND", True, 16, 2, 8, 8),
     # more pipelined units than a GPU has SMs twice over (8 kv heads, GQA 4: 320 units), so that
-    # a persistent CTA takes several (ragged v47), a bound making some of them NaN rows between
-    # units that attend, beside one-token, few-row and empty sequences
+    # CTAs come in waves (a persistent CTA would take several: ragged v46, v47), a bound making
+    # some of them NaN rows between units that attend, beside one-token, few-row and empty
+    # sequences
     (15, MANY_UNITS, 128, "HND", True, 16, 8, 32, 40),
 ]
 worst = 0.0

@@ -709,7 +709,7 @@ def _pipelined_units(seqs, group, num_kv_heads):
 @pytest.mark.parametrize("max_q_len", [None, 40])
 def test_gpu_pipelined_units_past_the_sm_count(max_q_len):
     """More pipelined units than the GPU has SMs twice over (several waves of CTAs, one a
-    unit; or, with a persistent grid, ragged v47, several units a CTA one after another): every
+    unit; a persistent grid, as ragged v46 and v47 tried, would take several a CTA): every
     row matches the jnp path, and under a bound the longer sequences' rows are NaN, between
     units that attend. Stacked, a member with an invalid k_scale gives the jnp path's NaN rows
     in every unit of its own and leaves the other member's equal to its own call."""
