@@ -738,13 +738,13 @@ def test_gpu_pipelined_units_past_the_sm_count(max_q_len):
     k_scales = jnp.stack([jnp.float32(case.k_scale), jnp.float32(jnp.nan)])
     both = jax.device_get(jax.jit(jax.vmap(member))(
         jnp.stack([args[0], args[0]]), jnp.stack([args[1], args[1]]), k_scales))
-    # Compared as float32: NumPy's NaN-equals-NaN rule covers its own float types only, and on
-    # the GPU machine's NumPy a bfloat16 NaN compared unequal to itself.
-    np.testing.assert_array_equal(np.float32(both[0]), np.float32(out))
+    # Compared widened (_f64): NumPy's NaN-equals-NaN rule covers its own float types only, and
+    # on the GPU machine's NumPy a bfloat16 NaN compared unequal to itself.
+    np.testing.assert_array_equal(_f64(both[0]), _f64(out))
     invalid = _cpu(ragged_jit, *case.args(q)[:6], jnp.float32(jnp.nan), case.v_scale,
                    **case.options, **bound)
     assert np.isnan(both[1][case.token_ends() > 0]).all()
-    np.testing.assert_array_equal(np.float32(both[1]), np.float32(invalid))
+    np.testing.assert_array_equal(_f64(both[1]), _f64(invalid))
 
 
 @pytest.mark.gpu
